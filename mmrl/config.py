@@ -1,0 +1,244 @@
+"""Configuration: dataclasses hold every default; YAML recipes and `key=value` overrides on top.
+
+    cfg = load_config(task="vision_reasoning", overrides=["trainer.total_steps=50"])
+
+Loading order: these defaults, then the task's recipe (`configs/<task>.yaml`, installed as
+`mmrl.configs`), then `--config FILE`, then dot-list overrides. Unknown keys and wrong types fail
+with the full key name (OmegaConf structured configs do the checking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from mmrl.models.tiny import TinyVLMSpec
+
+
+@dataclass
+class WarmupConfig:
+    """The short supervised warm-up that turns the random tiny model into the built-in base.
+
+    RL needs a policy that sometimes succeeds. The warm-up trains on answer tokens until the
+    greedy held-out accuracy has reached `target_accuracy` on `patience` evaluations in a row,
+    then stops, leaving the model clearly imperfect.
+    """
+
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    batch_size: int = 16
+    """Samples per step."""
+    max_steps: int = 1500
+    """Give up (and keep the model as it is) after this many steps."""
+    eval_every: int = 20
+    """Steps between greedy evaluations."""
+    eval_size: int = 128
+    """Held-out samples per warm-up evaluation."""
+    target_accuracy: float = 0.30
+    """Stop once greedy held-out accuracy reaches this ..."""
+    patience: int = 2
+    """... on this many evaluations in a row (one lucky evaluation is not enough: measured)."""
+    seed: int = 0
+    """Seed of the random initialisation and of the warm-up data order."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy."""
+
+    path: str | None = None
+    """Local Hugging Face VLM folder (model + processor). None: the built-in tiny base."""
+    tiny: TinyVLMSpec = field(default_factory=TinyVLMSpec)
+    """Shape of the built-in tiny model."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """How the built-in base is made from the random tiny model."""
+    cache_dir: str | None = None
+    """Where built-in bases are cached; default `$MMRL_CACHE` or `~/.cache/mmrl`."""
+
+
+@dataclass
+class DataConfig:
+    """Training and held-out data."""
+
+    task: str = "vision_reasoning"
+    """Built-in procedural task generating the data when no files are given."""
+    kinds: list[str] = field(default_factory=lambda: ["colour_code"])
+    """Question kinds of the built-in task (see `mmrl.datasets.vision_reasoning.KINDS`)."""
+    num_train: int = 4096
+    """Procedural training samples (cycled through in shuffled epochs)."""
+    num_heldout: int = 512
+    """Procedural held-out samples (greedy evaluation)."""
+    train_files: list[str] = field(default_factory=list)
+    """JSONL / Parquet files of samples; replace the procedural training data when set."""
+    heldout_files: list[str] = field(default_factory=list)
+    """JSONL / Parquet files of held-out samples."""
+    image_size: int = 64
+    """Side of the procedural images in pixels."""
+    seed: int = 0
+    """Seed of the procedural data."""
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are sampled."""
+
+    group_size: int = 8
+    """G: responses per prompt; advantages are computed within each prompt's group."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are of the temperature-scaled distribution)."""
+    max_new_tokens: int = 16
+    """Response length limit, stop token included."""
+    max_batch_rows: int = 256
+    """Rows generated at once (bounds memory)."""
+
+
+@dataclass
+class AlgoConfig:
+    """The GRPO objective."""
+
+    advantage: str = "grpo"
+    """Advantage estimator (see `mmrl.algos.advantages.ADVANTAGE_ESTIMATORS`)."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    clip_low: float = 0.2
+    """PPO clip: the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.28
+    """Clip-higher (DAPO): the ratio is clipped above at 1 + clip_high."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen reference in the loss (0: no reference model)."""
+    kl_estimator: str = "k3"
+    """KL estimator for the penalty: k1, k2 or k3 (Schulman's unbiased, non-negative one)."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus (subtracted from the loss)."""
+    old_logprobs: str = "recompute"
+    """`recompute`: a no-grad trainer forward before the update; `rollout`: reuse the engine's
+    log-probs (valid when the engine runs the same weights, as the HF engine does)."""
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and schedule."""
+
+    lr: float = 3e-4
+    """Peak AdamW learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: off)."""
+    schedule: str = "linear"
+    """`constant`, `linear` (decay to 0 at the last step) or `cosine`."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    total_steps: int = 200
+    """RL steps (one rollout batch each)."""
+    prompts_per_step: int = 16
+    """B: prompts per rollout batch (B x G responses)."""
+    mini_batches: int = 2
+    """Policy updates per rollout batch (the batch is split into this many mini-batches)."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch."""
+    micro_batch_rows: int = 0
+    """Rows per forward/backward (gradient accumulation); 0: a whole mini-batch at once."""
+    eval_every: int = 25
+    """Steps between greedy held-out evaluations (also at step 0 and at the end)."""
+    eval_size: int = 512
+    """Held-out samples per evaluation (0: all)."""
+    seed: int = 0
+    """Seed of the rollout sampling and data order."""
+    run_dir: str | None = None
+    """Run directory; default `runs/<task>-<timestamp>`."""
+    threads: int = 0
+    """torch CPU threads; 0: leave torch's default."""
+    save_final: bool = True
+    """Save the final policy in Hugging Face format under `<run_dir>/final`."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class Config:
+    """Everything a training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.rollout.group_size >= 1, "rollout.group_size must be >= 1"),
+            (self.rollout.temperature > 0, "rollout.temperature must be > 0"),
+            (self.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
+            (self.trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
+            (
+                (self.trainer.prompts_per_step * self.rollout.group_size) % self.trainer.mini_batches == 0,
+                "trainer.mini_batches must divide prompts_per_step * group_size",
+            ),
+            (0 <= self.algo.clip_low < 1, "algo.clip_low must be in [0, 1)"),
+            (self.algo.clip_high >= 0, "algo.clip_high must be >= 0"),
+            (self.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator must be k1, k2 or k3"),
+            (self.algo.old_logprobs in ("recompute", "rollout"), "algo.old_logprobs must be recompute or rollout"),
+            (self.optim.schedule in ("constant", "linear", "cosine"), "optim.schedule must be constant, linear or cosine"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"invalid config: {message}")
+
+
+def task_names() -> list[str]:
+    """Tasks with a recipe in `configs/`."""
+    return sorted(p.name[:-5] for p in resources.files("mmrl.configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_config(
+    task: str | None = None,
+    config_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> Config:
+    """Defaults <- task recipe <- config file <- `key=value` overrides, validated."""
+    merged = OmegaConf.structured(Config)
+    if task is not None:
+        recipe = resources.files("mmrl.configs") / f"{task}.yaml"
+        if not recipe.is_file():
+            raise ValueError(f"unknown task {task!r}: choose from {', '.join(task_names())}")
+        merged = OmegaConf.merge(merged, _yaml(recipe.read_text(), f"configs/{task}.yaml"))
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.exists():
+            raise FileNotFoundError(f"config file not found: {path}")
+        merged = OmegaConf.merge(merged, _yaml(path.read_text(), str(path)))
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ValueError(f"overrides must be key=value, got {bad}")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+    return OmegaConf.to_object(merged)
+
+
+def _yaml(text: str, where: str) -> Any:
+    conf = OmegaConf.create(text)
+    if conf is None or not isinstance(conf, type(OmegaConf.create({}))):
+        raise ValueError(f"{where}: expected a mapping at the top level")
+    return conf
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,143 @@
+"""Tiny Qwen2-VL / Qwen2.5-VL models built from config: the real architectures, ~0.5M parameters.
+
+Everything here runs offline. The processor pairs the byte tokenizer with the real Qwen2-VL
+image and video processors; patch and merge sizes match the vision config so that a 64x64 image
+becomes (64/8/2)^2 = 16 image tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    PreTrainedModel,
+    ProcessorMixin,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
+)
+
+from mmrl.models.tokenizer import build_byte_tokenizer
+
+
+@dataclass
+class TinyVLMSpec:
+    """Shape of a tiny built-in VLM. Defaults: the measured ~0.5M-parameter Qwen2-VL."""
+
+    architecture: str = "qwen2_vl"
+    """`qwen2_vl` or `qwen2_5_vl`."""
+    hidden_size: int = 128
+    """Text width; also the vision merger's output width."""
+    num_layers: int = 2
+    """Text decoder layers."""
+    num_heads: int = 4
+    """Text attention heads (head size = hidden_size / num_heads)."""
+    num_kv_heads: int = 2
+    """Text key/value heads (grouped-query attention)."""
+    intermediate_size: int = 256
+    """Text MLP width."""
+    vision_depth: int = 2
+    """Vision transformer blocks."""
+    vision_width: int = 64
+    """Vision transformer width."""
+    vision_heads: int = 4
+    """Vision attention heads."""
+    patch_size: int = 8
+    """Vision patch size in pixels."""
+    merge_size: int = 2
+    """Spatial merge: merge_size^2 patches become one language-model token."""
+    image_size: int = 64
+    """Images are resized so both sides are this many pixels (fixed token count per image)."""
+
+
+def build_processor(spec: TinyVLMSpec) -> ProcessorMixin:
+    """A Qwen2-VL processor around the byte tokenizer, sized for `spec`."""
+    tokenizer = build_byte_tokenizer()
+    pixels = spec.image_size * spec.image_size
+    vision_kwargs = dict(
+        patch_size=spec.patch_size,
+        merge_size=spec.merge_size,
+        temporal_patch_size=2,
+        size={"shortest_edge": pixels, "longest_edge": pixels},
+    )
+    return Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**vision_kwargs),
+        video_processor=Qwen2VLVideoProcessor(**vision_kwargs),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+
+
+def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised tiny VLM whose special-token ids match `build_byte_tokenizer`."""
+    tokenizer = build_byte_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+    head_dim = spec.hidden_size // spec.num_heads
+    # mrope splits head_dim/2 rotary frequencies over (time, height, width); Qwen uses 1:1.5:1.5.
+    half = head_dim // 2
+    t_part = half // 4
+    h_part = (half - t_part) // 2
+    mrope_section = [t_part, h_part, half - t_part - h_part]
+    text_config = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    token_ids = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    if spec.architecture == "qwen2_vl":
+        vision_config = dict(
+            depth=spec.vision_depth,
+            embed_dim=spec.vision_width,
+            hidden_size=spec.hidden_size,
+            num_heads=spec.vision_heads,
+            mlp_ratio=2,
+            patch_size=spec.patch_size,
+            spatial_merge_size=spec.merge_size,
+            temporal_patch_size=2,
+        )
+        config = Qwen2VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+        model_cls = Qwen2VLForConditionalGeneration
+    elif spec.architecture == "qwen2_5_vl":
+        window = spec.patch_size * spec.merge_size * 2
+        vision_config = dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_width,
+            out_hidden_size=spec.hidden_size,
+            intermediate_size=spec.vision_width * 2,
+            num_heads=spec.vision_heads,
+            patch_size=spec.patch_size,
+            spatial_merge_size=spec.merge_size,
+            temporal_patch_size=2,
+            window_size=window,
+            fullatt_block_indexes=[spec.vision_depth - 1],
+        )
+        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+        model_cls = Qwen2_5_VLForConditionalGeneration
+    else:
+        raise ValueError(
+            f"unknown tiny architecture {spec.architecture!r}: expected 'qwen2_vl' or 'qwen2_5_vl'"
+        )
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    return model

@@ -1,0 +1,174 @@
+"""The default rollout engine: Hugging Face `generate` on the trainer's own model.
+
+It shares the policy module with the trainer, so `load_weights` has nothing to copy; it exists
+so that engines that hold their own copy (vLLM) fit the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, ProcessorMixin
+
+from mmrl.algos.logprobs import masked_logits, token_logprobs
+from mmrl.types import RolloutBatch, Sample
+
+
+@dataclass
+class SamplingParams:
+    """How responses are sampled."""
+
+    n: int = 1
+    """Responses per prompt (G)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs are those of the temperature-scaled distribution."""
+    max_new_tokens: int = 16
+    """Length limit of a response, stop token included."""
+    greedy: bool = False
+    """Argmax decoding (evaluation); no log-probs are recorded."""
+
+
+class _BlockTokens(LogitsProcessor):
+    """Sets blocked ids to -inf before sampling (the same mask the trainer applies)."""
+
+    def __init__(self, blocked: torch.Tensor):
+        self.blocked = blocked
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.masked_fill(self.blocked[: scores.shape[-1]], float("-inf"))
+
+
+class HFRolloutEngine:
+    """Generates G responses per prompt with `model.generate`, recording per-token log-probs."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        processor: ProcessorMixin,
+        blocked: torch.Tensor,
+        stop_token_ids: list[int],
+        pad_token_id: int,
+        max_batch_rows: int = 256,
+    ):
+        self.model = model
+        self.processor = processor
+        self.blocked = blocked
+        self.stop_token_ids = stop_token_ids
+        self.pad_token_id = pad_token_id
+        self.max_batch_rows = max_batch_rows
+
+    # The engine shares the trainer's module: nothing to sync, nothing to offload.
+    def load_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        if state_dict is not None:
+            self.model.load_state_dict(state_dict, strict=False)
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
+        """G = params.n responses per sample; rows are prompt-major ([B x G])."""
+        rows = [s for s in samples for _ in range(params.n)]
+        chunks = [
+            self._generate_rows(rows[i : i + self.max_batch_rows], params)
+            for i in range(0, len(rows), self.max_batch_rows)
+        ]
+        batch = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks, self.pad_token_id)
+        batch.group_size = params.n
+        return batch
+
+    def _generate_rows(self, rows: list[Sample], params: SamplingParams) -> RolloutBatch:
+        inputs = encode_prompts(self.processor, rows)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.model.generate(
+                **inputs,
+                do_sample=not params.greedy,
+                temperature=params.temperature if not params.greedy else None,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=params.max_new_tokens,
+                logits_processor=LogitsProcessorList([_BlockTokens(self.blocked)]),
+                eos_token_id=self.stop_token_ids,
+                pad_token_id=self.pad_token_id,
+                output_logits=not params.greedy,
+                return_dict_in_generate=True,
+            )
+        finally:
+            self.model.train(was_training)
+        prompt_len = inputs["input_ids"].shape[1]
+        response = out.sequences[:, prompt_len:]
+        response_mask, truncated = response_mask_from_stops(response, self.stop_token_ids)
+        response = response.masked_fill(response_mask == 0, self.pad_token_id)
+        if params.greedy:
+            logprobs = torch.zeros(response.shape, dtype=torch.float32)
+        else:
+            logits = torch.stack(out.logits, dim=1)  # [N, R, V] raw logits of each step
+            logits = masked_logits(logits, self.blocked[: logits.shape[-1]], params.temperature)
+            logprobs = token_logprobs(logits, response).masked_fill(response_mask == 0, 0.0)
+        texts = self.processor.batch_decode(
+            response.masked_fill(response_mask == 0, self.pad_token_id), skip_special_tokens=True
+        )
+        vision = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        return RolloutBatch(
+            samples=rows,
+            prompt_ids=inputs["input_ids"],
+            prompt_mask=inputs["attention_mask"],
+            response_ids=response,
+            response_mask=response_mask,
+            rollout_logprobs=logprobs,
+            vision_inputs=vision,
+            texts=texts,
+            truncated=truncated,
+            images_per_row=[len(s.images) for s in rows],
+        )
+
+
+def encode_prompts(processor: ProcessorMixin, rows: list[Sample]) -> dict[str, torch.Tensor]:
+    """Chat template + images through the processor, left padded."""
+    texts = [
+        processor.apply_chat_template(s.chat_messages(), add_generation_prompt=True, tokenize=False)
+        for s in rows
+    ]
+    images = [im for s in rows for im in s.pil_images()]
+    processor.tokenizer.padding_side = "left"
+    return dict(
+        processor(text=texts, images=images or None, padding=True, return_tensors="pt")
+    )
+
+
+def response_mask_from_stops(response: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask [N, R] of tokens up to and including the first stop token; truncated [N] where none."""
+    is_stop = torch.zeros_like(response, dtype=torch.bool)
+    for sid in stop_ids:
+        is_stop |= response == sid
+    # Tokens after the first stop: cumulative count of stops before this position > 0.
+    stops_before = torch.cumsum(is_stop.long(), dim=1) - is_stop.long()
+    mask = (stops_before == 0).long()
+    truncated = ~is_stop.any(dim=1)
+    return mask, truncated
+
+
+def concat_rollouts(chunks: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """Join rollout chunks, re-padding prompts (left) and responses (right) to common widths."""
+    from mmrl.train.batching import concat_vision_inputs, pad_left, pad_right
+
+    P = max(c.prompt_ids.shape[1] for c in chunks)
+    R = max(c.response_ids.shape[1] for c in chunks)
+    return RolloutBatch(
+        samples=[s for c in chunks for s in c.samples],
+        prompt_ids=torch.cat([pad_left(c.prompt_ids, P, pad_token_id) for c in chunks]),
+        prompt_mask=torch.cat([pad_left(c.prompt_mask, P, 0) for c in chunks]),
+        response_ids=torch.cat([pad_right(c.response_ids, R, pad_token_id) for c in chunks]),
+        response_mask=torch.cat([pad_right(c.response_mask, R, 0) for c in chunks]),
+        rollout_logprobs=torch.cat([pad_right(c.rollout_logprobs, R, 0.0) for c in chunks]),
+        vision_inputs=concat_vision_inputs([c.vision_inputs for c in chunks], P),
+        texts=[t for c in chunks for t in c.texts],
+        truncated=torch.cat([c.truncated for c in chunks]),
+        images_per_row=[n for c in chunks for n in c.images_per_row],
+    )

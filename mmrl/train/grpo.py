@@ -1,0 +1,376 @@
+"""GRPO on a vision-language model: the whole training loop, top to bottom.
+
+One step:
+  1. take B prompts; the rollout engine samples G responses each (token ids + log-probs)
+  2. each response goes to the verifier its sample names -> reward
+  3. group-normalised advantages within each prompt's G responses
+  4. old log-probs (the policy that sampled) and, with a KL penalty, the reference's
+  5. split the B x G rows into mini-batches; per mini-batch: recompute log-probs, clipped
+     objective (+ k3 KL), backward, clip the gradient, AdamW step
+  6. metrics overall and per data source; greedy held-out evaluation every `eval_every` steps
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from mmrl.algos.advantages import get_advantage_estimator
+from mmrl.algos.kl import kl_estimate
+from mmrl.algos.losses import clipped_policy_loss, masked_mean
+from mmrl.config import Config
+from mmrl.datasets.readers import read_samples
+from mmrl.datasets.vision_reasoning import make_samples
+from mmrl.models.base import builtin_base
+from mmrl.models.loading import Policy, load_policy
+from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
+from mmrl.router import RewardBatch, score_responses
+from mmrl.train.batching import select_rows
+from mmrl.train.evaluation import evaluate
+from mmrl.train.forward import response_logprobs
+from mmrl.train.metrics_log import MetricsLogger
+from mmrl.train.plots import plot_training_curves
+from mmrl.train.rundir import create_run_dir
+from mmrl.types import RolloutBatch, Sample, VerifyContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    start_accuracy: float
+    """Greedy held-out accuracy of the starting policy."""
+    final_accuracy: float
+    """Greedy held-out accuracy of the final policy (the one saved), not the best evaluation."""
+    best_accuracy: float
+    steps: int
+    seconds: float
+
+
+def train(cfg: Config) -> TrainResult:
+    t_start = time.monotonic()
+    # 1. Setup: seeds, threads, run directory.
+    if cfg.trainer.threads > 0:
+        torch.set_num_threads(cfg.trainer.threads)
+    seed_everything(cfg.trainer.seed)
+    run_dir = create_run_dir(cfg)
+    metrics_log = MetricsLogger(run_dir)
+
+    # 2. Data: every record is validated here, before any training.
+    train_samples, heldout = load_data(cfg)
+    if cfg.trainer.eval_size:
+        heldout = heldout[: cfg.trainer.eval_size]
+
+    # 3. Policy, optional frozen reference, rollout engine, optimizer.
+    model_path = Path(cfg.model.path) if cfg.model.path else builtin_base(cfg)
+    policy = load_policy(model_path)
+    model = policy.model
+    model.train()
+    reference = None
+    if cfg.algo.kl_coef > 0:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    engine = HFRolloutEngine(
+        model, policy.processor, policy.blocked, policy.stop_token_ids, policy.pad_token_id,
+        max_batch_rows=cfg.rollout.max_batch_rows,
+    )
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    advantage_fn = get_advantage_estimator(cfg.algo.advantage)
+    sampler = PromptSampler(train_samples, seed=cfg.trainer.seed)
+    G, B = cfg.rollout.group_size, cfg.trainer.prompts_per_step
+    total = cfg.trainer.total_steps
+    sampling = SamplingParams(n=G, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
+
+    def run_eval(step: int) -> float:
+        metrics = evaluate(engine, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total))
+        metrics_log.log(step, metrics)
+        return metrics["eval/accuracy"]
+
+    start_acc = best_acc = final_acc = run_eval(0)
+    log.info("step 0: greedy held-out accuracy %.3f", start_acc)
+
+    # 4. The loop.
+    bar = tqdm(range(total), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.monotonic()
+        samples = sampler.next(B)
+        # 4a. Rollout: B x G responses with their log-probs.
+        batch = engine.generate(samples, sampling)
+        t1 = time.monotonic()
+        # 4b. Rewards from each sample's own verifier.
+        rewards = score_responses(batch.samples, batch.texts, VerifyContext(step, total))
+        t2 = time.monotonic()
+        # 4c. Advantages within each prompt's group.
+        advantages = advantage_fn(rewards.scores, G, eps=cfg.algo.adv_eps)
+        # 4d. Old log-probs (the sampling policy) and reference log-probs.
+        old_logprobs, ref_logprobs = old_and_ref_logprobs(cfg, policy, reference, batch)
+        # 4e. Policy update over mini-batches.
+        update_metrics = update_policy(cfg, policy, optimizer, batch, advantages, old_logprobs, ref_logprobs)
+        scheduler.step()
+        t3 = time.monotonic()
+        # 4f. Metrics.
+        metrics = step_metrics(batch, rewards, advantages, G)
+        metrics.update(update_metrics)
+        if cfg.algo.old_logprobs == "recompute":
+            metrics["rollout/trainer_logprob_diff_max"] = float(
+                ((old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask).max()
+            )
+        metrics["actor/lr"] = scheduler.get_last_lr()[0]
+        generated = float(batch.response_mask.sum())
+        metrics.update({
+            "time/rollout_s": t1 - t0,
+            "time/reward_s": t2 - t1,
+            "time/update_s": t3 - t2,
+            "time/step_s": t3 - t0,
+            "throughput/samples_per_s": len(batch) / (t3 - t0),
+            "throughput/generated_tokens_per_s": generated / (t3 - t0),
+        })
+        done = step + 1
+        metrics_log.log(done, metrics)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{final_acc:.3f}")
+        if done % cfg.trainer.eval_every == 0 or done == total:
+            final_acc = run_eval(done)
+            best_acc = max(best_acc, final_acc)
+            log.info("step %d: greedy held-out accuracy %.3f", done, final_acc)
+    bar.close()
+
+    # 5. Final checkpoint, plot and summary.
+    if cfg.trainer.save_final:
+        model.save_pretrained(run_dir / "final")
+        policy.processor.save_pretrained(run_dir / "final")
+    metrics_log.close()
+    plot_training_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
+    result = TrainResult(
+        run_dir=run_dir, start_accuracy=start_acc, final_accuracy=final_acc, best_accuracy=best_acc,
+        steps=total, seconds=time.monotonic() - t_start,
+    )
+    summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
+    summary["model_path"] = str(model_path)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return result
+
+
+def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
+    """Training and held-out samples: from files when given, else the procedural task."""
+    d = cfg.data
+    if d.task != "vision_reasoning" and not d.train_files:
+        raise ValueError(f"no data for task {d.task!r}: set data.train_files")
+    kw = dict(kinds=d.kinds, seed=d.seed, image_size=d.image_size)
+    if d.train_files:
+        train = [s for f in d.train_files for s in read_samples(f)]
+    else:
+        train = make_samples(n=d.num_train, split="train", **kw)
+    if d.heldout_files:
+        heldout = [s for f in d.heldout_files for s in read_samples(f)]
+    elif not d.train_files:
+        heldout = make_samples(n=d.num_heldout, split="heldout", **kw)
+    else:
+        raise ValueError("data.train_files is set: give data.heldout_files too")
+    if not train:
+        raise ValueError("no training samples")
+    return train, heldout
+
+
+class PromptSampler:
+    """Shuffled passes over the training samples; deterministic by seed."""
+
+    def __init__(self, samples: list[Sample], seed: int):
+        self.samples = samples
+        self.rng = np.random.default_rng(seed)
+        self.order = self.rng.permutation(len(samples))
+        self.cursor = 0
+
+    def next(self, n: int) -> list[Sample]:
+        out = []
+        while len(out) < n:
+            if self.cursor == len(self.order):
+                self.order, self.cursor = self.rng.permutation(len(self.samples)), 0
+            out.append(self.samples[self.order[self.cursor]])
+            self.cursor += 1
+        return out
+
+
+@torch.no_grad()
+def old_and_ref_logprobs(
+    cfg: Config, policy: Policy, reference: torch.nn.Module | None, batch: RolloutBatch
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the sampling policy and of the reference, [N, R], computed per mini-batch
+    shape so that the first on-policy mini-batch sees a ratio of exactly 1."""
+    T = cfg.rollout.temperature
+    old = batch.rollout_logprobs if cfg.algo.old_logprobs == "rollout" else None
+    ref = None
+    if old is not None and reference is None:
+        return old, None
+    old_parts, ref_parts, rows = [], [], []
+    for idx in row_chunks(cfg, len(batch), shuffle=False):
+        sub = select_rows(batch, idx)
+        if old is None:
+            old_parts.append(response_logprobs(policy.model, sub, policy.blocked, T)[0])
+        if reference is not None:
+            ref_parts.append(response_logprobs(reference, sub, policy.blocked, T)[0])
+        rows.extend(idx)
+    inverse = torch.empty(len(rows), dtype=torch.long)
+    inverse[torch.tensor(rows)] = torch.arange(len(rows))
+    if old is None:
+        old = torch.cat(old_parts)[inverse]
+    if reference is not None:
+        ref = torch.cat(ref_parts)[inverse]
+    return old, ref
+
+
+def row_chunks(cfg: Config, n_rows: int, shuffle: bool, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Rows split into forward-sized chunks: mini-batches, then micro-batches within each."""
+    order = torch.randperm(n_rows, generator=generator).tolist() if shuffle else list(range(n_rows))
+    size = n_rows // cfg.trainer.mini_batches
+    micro = cfg.trainer.micro_batch_rows or size
+    chunks = []
+    for start in range(0, n_rows, size):
+        mb = order[start : start + size]
+        chunks.extend(mb[i : i + micro] for i in range(0, len(mb), micro))
+    return chunks
+
+
+def update_policy(
+    cfg: Config,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    advantages: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+) -> dict[str, float]:
+    """`ppo_epochs` passes of `mini_batches` optimizer steps over the rollout batch."""
+    model = policy.model
+    a = cfg.algo
+    n = len(batch)
+    mb_size = n // cfg.trainer.mini_batches
+    micro = cfg.trainer.micro_batch_rows or mb_size
+    sums: dict[str, list[float]] = defaultdict(list)
+    extremes: dict[str, float] = {}
+    skipped = 0
+    for epoch in range(cfg.trainer.ppo_epochs):
+        # The first pass keeps row order so the first mini-batch matches the old log-prob pass.
+        order = list(range(n)) if epoch == 0 else torch.randperm(n).tolist()
+        for start in range(0, n, mb_size):
+            mb_rows = order[start : start + mb_size]
+            denom = float(batch.response_mask[mb_rows].sum().clamp(min=1))
+            optimizer.zero_grad(set_to_none=True)
+            for i in range(0, len(mb_rows), micro):
+                rows = mb_rows[i : i + micro]
+                sub = select_rows(batch, rows)
+                mask = sub.response_mask.float()
+                logprobs, entropy = response_logprobs(
+                    model, sub, policy.blocked, cfg.rollout.temperature,
+                    with_entropy=True, entropy_grad=a.entropy_coef > 0,
+                )
+                pg_loss, pg_metrics = clipped_policy_loss(
+                    logprobs, old_logprobs[rows], advantages[rows], mask,
+                    clip_low=a.clip_low, clip_high=a.clip_high, token_denom=denom,
+                )
+                loss = pg_loss
+                ent = masked_mean(entropy, mask, denom)
+                if a.entropy_coef > 0:
+                    loss = loss - a.entropy_coef * ent
+                if ref_logprobs is not None:
+                    ref_kl = masked_mean(kl_estimate(logprobs, ref_logprobs[rows], a.kl_estimator), mask, denom)
+                    loss = loss + a.kl_coef * ref_kl
+                    sums["actor/ref_kl"].append(float(ref_kl) * denom)
+                loss.backward()
+                with torch.no_grad():
+                    ppo_kl = masked_mean(kl_estimate(logprobs, old_logprobs[rows], "k3"), mask, denom)
+                sums["actor/pg_loss"].append(float(pg_loss) * denom)
+                sums["actor/entropy"].append(float(ent) * denom)
+                sums["actor/ppo_kl"].append(float(ppo_kl) * denom)
+                tokens = float(mask.sum())
+                for k in ("clip_frac_low", "clip_frac_high", "ratio_mean"):
+                    sums[f"actor/{k}"].append(pg_metrics[k] * tokens)
+                extremes["actor/ratio_min"] = min(extremes.get("actor/ratio_min", math.inf), pg_metrics["ratio_min"])
+                extremes["actor/ratio_max"] = max(extremes.get("actor/ratio_max", -math.inf), pg_metrics["ratio_max"])
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            )
+            if not torch.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                log.warning("non-finite gradient norm: optimizer step skipped")
+            else:
+                optimizer.step()
+            sums["actor/grad_norm"].append(float(grad_norm))
+    # Token-weighted means over every mini-batch of every epoch; the grad norm is per step.
+    total_tokens = float(batch.response_mask.sum().clamp(min=1)) * cfg.trainer.ppo_epochs
+    metrics = {k: sum(v) / total_tokens for k, v in sums.items() if k != "actor/grad_norm"}
+    metrics["actor/grad_norm"] = sum(sums["actor/grad_norm"]) / len(sums["actor/grad_norm"])
+    metrics.update(extremes)
+    metrics["actor/skipped_steps"] = float(skipped)
+    return metrics
+
+
+def step_metrics(batch: RolloutBatch, rewards: RewardBatch, advantages: torch.Tensor, G: int) -> dict[str, float]:
+    """Reward, response-length and advantage statistics, overall and per data source."""
+    lengths = batch.response_mask.sum(dim=1).float()
+    scores = rewards.scores
+    grouped = scores.view(-1, G)
+    metrics = {
+        "reward/mean": float(scores.mean()),
+        "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "reward/zero_variance_groups": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_ratio": float(batch.truncated.float().mean()),
+        "adv/mean": float(advantages.mean()),
+        "adv/std": float(advantages.std()) if len(advantages) > 1 else 0.0,
+        "adv/abs_max": float(advantages.abs().max()),
+        "verifier/errors": float(sum(rewards.errors.values())),
+    }
+    components: dict[str, list[float]] = defaultdict(list)
+    by_source: dict[str, list[int]] = defaultdict(list)
+    for i, (sample, result) in enumerate(zip(batch.samples, rewards.results)):
+        by_source[sample.data_source].append(i)
+        for name, value in result.components.items():
+            components[name].append(value)
+    for name, values in components.items():
+        metrics[f"reward/{name}"] = sum(values) / len(values)
+    if len(by_source) > 1:
+        for source, rows in sorted(by_source.items()):
+            metrics[f"reward/mean/{source}"] = float(scores[rows].mean())
+            metrics[f"response/length_mean/{source}"] = float(lengths[rows].mean())
+    for key, count in rewards.errors.items():
+        metrics[f"verifier/errors/{key}"] = float(count)
+    return metrics
+
+
+def lr_lambda(cfg: Config):
+    o, total = cfg.optim, cfg.trainer.total_steps
+
+    def factor(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+        if o.schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if o.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

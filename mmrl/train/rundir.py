@@ -1,0 +1,18 @@
+"""The run directory: resolved config, metrics, TensorBoard events, plots, checkpoints."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from mmrl.config import Config, config_to_yaml
+
+
+def create_run_dir(cfg: Config) -> Path:
+    if cfg.trainer.run_dir:
+        path = Path(cfg.trainer.run_dir)
+    else:
+        path = Path("runs") / f"{cfg.data.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(config_to_yaml(cfg))
+    return path

@@ -1,0 +1,185 @@
+"""The few data types shared across mmrl: samples, verifier results, rollouts.
+
+`Sample` follows V-Triune's sample-level format, so their records load unchanged:
+
+    {"data_source": "...", "prompt": [{"role": "user", "content": "<image>Question"}],
+     "images": [...], "ability": "...",
+     "reward_model": {"ground_truth": "...", "verifier": "math", "verifier_params": {},
+                      "accuracy_ratio": 1.0, "format_ratio": 0.0},
+     "extra_info": {"id": "..."}}
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from PIL import Image
+
+IMAGE_PLACEHOLDER = "<image>"
+
+ImageSource = Union[Image.Image, bytes, str]
+"""An image as a decoded PIL image, encoded bytes, or a path on disk."""
+
+
+@dataclass
+class RewardSpec:
+    """How a sample is scored: V-Triune's `reward_model` field."""
+
+    ground_truth: Any
+    """The reference answer; its form depends on the verifier (a string for `math`)."""
+    verifier: str
+    """Name of a registered verifier (see `mmrl.verifiers.registry`)."""
+    verifier_params: dict[str, Any] = field(default_factory=dict)
+    """Per-sample options for the verifier."""
+    accuracy_ratio: float = 1.0
+    """Weight of the verifier's accuracy component in the final reward."""
+    format_ratio: float = 0.0
+    """Weight of the verifier's format component in the final reward."""
+
+
+@dataclass
+class Sample:
+    """One training or evaluation prompt with everything needed to score a response to it."""
+
+    data_source: str
+    """Where the sample comes from; metrics are also reported per data source."""
+    prompt: list[dict[str, Any]]
+    """Chat messages; user text may hold `<image>` placeholders, one per entry of `images`."""
+    images: list[ImageSource]
+    """The sample's images, in placeholder order."""
+    ability: str
+    """Coarse skill label (`math`, `counting`, `detection`, ...)."""
+    reward_model: RewardSpec
+    """How responses are scored."""
+    extra_info: dict[str, Any]
+    """Free-form metadata; must hold a unique `id`."""
+
+    @property
+    def id(self) -> str:
+        return str(self.extra_info["id"])
+
+    def pil_images(self) -> list[Image.Image]:
+        """The images decoded as RGB PIL images."""
+        return [load_image(src) for src in self.images]
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The prompt as structured chat content (`{"type": "image"}` / `{"type": "text"}` parts)."""
+        messages = []
+        for message in self.prompt:
+            content = message["content"]
+            if isinstance(content, str):
+                parts: list[dict[str, Any]] = []
+                pieces = content.split(IMAGE_PLACEHOLDER)
+                for i, piece in enumerate(pieces):
+                    if i > 0:
+                        parts.append({"type": "image"})
+                    if piece:
+                        parts.append({"type": "text", "text": piece})
+                content = parts
+            messages.append({"role": message["role"], "content": content})
+        return messages
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-friendly dict in the on-disk format (images as PNG bytes if decoded)."""
+        images = []
+        for src in self.images:
+            if isinstance(src, Image.Image):
+                buf = io.BytesIO()
+                src.save(buf, format="PNG")
+                images.append(buf.getvalue())
+            else:
+                images.append(src)
+        rm = self.reward_model
+        return {
+            "data_source": self.data_source,
+            "prompt": self.prompt,
+            "images": images,
+            "ability": self.ability,
+            "reward_model": {
+                "ground_truth": rm.ground_truth,
+                "verifier": rm.verifier,
+                "verifier_params": rm.verifier_params,
+                "accuracy_ratio": rm.accuracy_ratio,
+                "format_ratio": rm.format_ratio,
+            },
+            "extra_info": self.extra_info,
+        }
+
+
+def load_image(src: ImageSource) -> Image.Image:
+    """Decode an image source to an RGB PIL image."""
+    if isinstance(src, Image.Image):
+        image = src
+    elif isinstance(src, (bytes, bytearray)):
+        image = Image.open(io.BytesIO(src))
+    elif isinstance(src, (str, Path)):
+        image = Image.open(src)
+    else:
+        raise TypeError(f"unsupported image source of type {type(src).__name__}")
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    return image
+
+
+@dataclass
+class VerifierResult:
+    """What a verifier says about one response."""
+
+    score: float
+    """Final reward in [0, 1]: accuracy and format mixed with the sample's ratios."""
+    components: dict[str, float] = field(default_factory=dict)
+    """Named parts of the score (`accuracy`, `format`, `iou`, ...)."""
+    error: str | None = None
+    """Why scoring failed (time-out, exception); the score is then 0 and the error is counted."""
+    extracted: str | None = None
+    """The answer the verifier extracted from the response, for debugging dumps."""
+
+
+@dataclass
+class VerifyContext:
+    """Training-time information a verifier may depend on."""
+
+    step: int = 0
+    """Current training step (0-based)."""
+    total_steps: int = 1
+    """Total training steps; schedules such as the dynamic IoU threshold use step/total_steps."""
+
+
+@dataclass
+class RolloutBatch:
+    """G responses for each of B prompts, laid out as [B x G, ...] rows.
+
+    Rows are prompt-major: rows i*G .. i*G+G-1 belong to prompt i. Prompt tokens are left
+    padded and response tokens right padded, so `input_ids = cat(prompt_ids, response_ids)`
+    is exactly the sequence the model saw while generating.
+    """
+
+    samples: list[Sample]
+    """One entry per row (each prompt's sample repeated G times)."""
+    prompt_ids: torch.Tensor
+    """[N, P] left-padded prompt token ids."""
+    prompt_mask: torch.Tensor
+    """[N, P] 1 for real prompt tokens."""
+    response_ids: torch.Tensor
+    """[N, R] right-padded response token ids (the stop token included)."""
+    response_mask: torch.Tensor
+    """[N, R] 1 for generated tokens that count in the loss."""
+    rollout_logprobs: torch.Tensor
+    """[N, R] log-probabilities of the response tokens under the rollout policy."""
+    vision_inputs: dict[str, torch.Tensor]
+    """Processor outputs besides ids and mask (pixel_values, image_grid_thw, mm_token_type_ids)."""
+    texts: list[str]
+    """Decoded responses."""
+    truncated: torch.Tensor
+    """[N] True where the response hit the length limit without a stop token."""
+    images_per_row: list[int] = field(default_factory=list)
+    """How many images each row's prompt holds (to slice `pixel_values` by row)."""
+    group_size: int = 1
+    """G, responses per prompt."""
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]

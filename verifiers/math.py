@@ -1,0 +1,93 @@
+"""The `math` verifier: the answer in `\\boxed{}` or `<answer>` checked with math-verify.
+
+math-verify parses both sides to SymPy and compares them, so `\\frac{1}{2}`, `0.5` and `1/2`
+are the same answer, and `5\\text{ cm}` matches `5`. Its own signal-based time-outs are switched
+off in favour of the verifier's per-call limit (one timer, not two fighting over SIGALRM).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from mmrl.types import Sample, VerifierResult, VerifyContext
+from mmrl.verifiers.registry import Verifier, register_verifier
+
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces matched; None if absent."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer: last `\\boxed{}` if any, else the last `<answer>...</answer>` body."""
+    boxed = last_boxed(response)
+    if boxed is not None:
+        return boxed.strip()
+    tags = _ANSWER_TAG.findall(response)
+    if tags:
+        return tags[-1].strip()
+    return None
+
+
+def _parse(text: str):
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    return parse(
+        "\\boxed{" + text + "}",
+        extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+        parsing_timeout=None,
+        raise_on_error=True,
+    )
+
+
+@register_verifier("math")
+class MathVerifier(Verifier):
+    """Accuracy 1 if the extracted answer equals the ground truth (math-verify); format 1 if an
+    answer could be extracted at all."""
+
+    def check_sample(self, sample: Sample) -> None:
+        gold = sample.reward_model.ground_truth
+        if not isinstance(gold, (str, int, float)) or isinstance(gold, bool):
+            raise ValueError(f"must be a string or number for the math verifier, got {type(gold).__name__}")
+        text = extract_answer(str(gold)) or str(gold)
+        if not text.strip():
+            raise ValueError("is empty")
+        if not _parse(text):
+            raise ValueError(f"math-verify cannot parse {text!r}")
+
+    def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
+        from math_verify import verify
+
+        rm = sample.reward_model
+        answer = extract_answer(response)
+        fmt = 0.0 if answer is None else 1.0
+        accuracy = 0.0
+        if answer:
+            gold_text = extract_answer(str(rm.ground_truth)) or str(rm.ground_truth)
+            gold = _parse(gold_text)
+            predicted = _parse(answer)
+            if predicted and verify(gold, predicted, timeout_seconds=None, raise_on_error=True):
+                accuracy = 1.0
+        final = rm.accuracy_ratio * accuracy + rm.format_ratio * fmt
+        return VerifierResult(
+            score=final, components={"accuracy": accuracy, "format": fmt}, extracted=answer
+        )

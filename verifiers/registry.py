@@ -1,0 +1,103 @@
+"""The verifier registry and the base class every verifier follows."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from mmrl.types import Sample, VerifierResult, VerifyContext
+
+
+class VerifierTimeout(Exception):
+    """A verifier call ran past its time limit."""
+
+
+class Verifier:
+    """Base class: subclasses implement `score` and may check samples at load time.
+
+    `__call__` wraps `score` with the per-call time limit and turns exceptions into an error
+    result (score 0, `error` set) so that callers can count and report them.
+    """
+
+    name: str = ""
+    time_limit_s: float = 5.0
+    """Wall-clock limit per call (enforced with a timer signal in the main thread)."""
+
+    def check_sample(self, sample: Sample) -> None:
+        """Raise `ValueError` (optionally with a `.field` attribute) if the sample's ground truth
+        or verifier params are unusable. Called once per sample when data is loaded."""
+
+    def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
+        raise NotImplementedError
+
+    def __call__(
+        self, response: str, sample: Sample, context: VerifyContext | None = None
+    ) -> VerifierResult:
+        context = context or VerifyContext()
+        try:
+            return call_with_time_limit(
+                lambda: self.score(response, sample, context), self.time_limit_s
+            )
+        except VerifierTimeout:
+            return VerifierResult(
+                score=0.0, error=f"timeout: {self.name} verifier ran past {self.time_limit_s:g}s"
+            )
+        except Exception as exc:  # noqa: BLE001 - any verifier bug becomes a counted error
+            return VerifierResult(score=0.0, error=f"{type(exc).__name__}: {exc}")
+
+
+_REGISTRY: dict[str, Verifier] = {}
+V = TypeVar("V", bound=type[Verifier])
+
+
+def register_verifier(name: str) -> Callable[[V], V]:
+    """Class decorator: register a `Verifier` subclass under `name`."""
+
+    def wrap(cls: V) -> V:
+        if name in _REGISTRY:
+            raise ValueError(f"verifier {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls()
+        return cls
+
+    return wrap
+
+
+def get_verifier(name: str) -> Verifier:
+    """The registered verifier called `name` (KeyError if unknown)."""
+    import mmrl.verifiers  # noqa: F401 - make sure the built-in verifiers are registered
+
+    return _REGISTRY[name]
+
+
+def verifier_names() -> list[str]:
+    import mmrl.verifiers  # noqa: F401
+
+    return sorted(_REGISTRY)
+
+
+def call_with_time_limit(fn: Callable[[], Any], seconds: float) -> Any:
+    """Run `fn()`, raising `VerifierTimeout` if it takes longer than `seconds`.
+
+    Uses `ITIMER_REAL`/`SIGALRM`, so the limit is enforced only in the main thread of a process
+    (the trainer's, or each worker's in a process pool). Elsewhere `fn` runs without a limit
+    and the caller must bound it (the router does, by process).
+    """
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        return fn()
+
+    def on_alarm(signum, frame):
+        raise VerifierTimeout()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    start = time.monotonic()
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        del start
