@@ -30,8 +30,10 @@ def read_samples(path: str | Path, check_images: bool = True) -> list[Sample]:
     for i, sample in enumerate(samples):
         if sample.id in seen:
             raise SampleError(
-                f"{path} record {i + 1}", "extra_info.id",
-                f"duplicate id (also record {seen[sample.id] + 1})", sample.id,
+                f"{path} record {i + 1}",
+                "extra_info.id",
+                f"duplicate id (also record {seen[sample.id] + 1})",
+                sample.id,
             )
         seen[sample.id] = i
     return samples

@@ -20,7 +20,6 @@ from PIL import Image, UnidentifiedImageError
 
 from mmrl.types import IMAGE_PLACEHOLDER, ImageSource, RewardSpec, Sample
 
-
 _BASE64 = re.compile(r"[A-Za-z0-9+/=\s]+")
 
 
@@ -79,8 +78,9 @@ def sample_from_record(
     prompt = _check_prompt(record["prompt"], fail)
     images = _check_images(record.get("images") or [], base_dir, check_images, fail)
     n_placeholders = sum(
-        m["content"].count(IMAGE_PLACEHOLDER) if isinstance(m["content"], str) else
-        sum(1 for part in m["content"] if part.get("type") == "image")
+        m["content"].count(IMAGE_PLACEHOLDER)
+        if isinstance(m["content"], str)
+        else sum(1 for part in m["content"] if part.get("type") == "image")
         for m in prompt
     )
     if n_placeholders != len(images):
@@ -195,7 +195,9 @@ def _image_source(item: Any, base_dir: Path | None, field: str, fail) -> ImageSo
         if path.exists() or len(item) < 128 or not _BASE64.fullmatch(item[:4096]):
             return str(path)  # a missing file is reported when the image is checked
         return _b64(item, field, fail)
-    raise fail(field, f"must be a path, bytes, base64 string or {{'bytes','path'}}, got {type(item).__name__}")
+    raise fail(
+        field, f"must be a path, bytes, base64 string or {{'bytes','path'}}, got {type(item).__name__}"
+    )
 
 
 def _b64(text: str, field: str, fail) -> bytes:

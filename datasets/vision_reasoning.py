@@ -168,9 +168,7 @@ def _bar_chart(rng: np.random.Generator, size: int) -> Drawn:
         draw.rectangle([x0, bottom - value * unit, x0 + 0.6 * width, bottom], fill=(50, 90, 200))
         draw.text((x0 + 0.15 * width, bottom + 0.01 * size), label, fill=(0, 0, 0), font=font)
     asked = int(rng.integers(0, 3))
-    return Drawn(
-        image, values[asked], QUESTIONS["bar_chart"].format(label=labels[asked]), {"values": values}
-    )
+    return Drawn(image, values[asked], QUESTIONS["bar_chart"].format(label=labels[asked]), {"values": values})
 
 
 DRAW = {

@@ -42,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p_train.add_argument("--task", choices=tasks, default="vision_reasoning", help="task recipe (default: vision_reasoning)")
+    p_train.add_argument(
+        "--task", choices=tasks, default="vision_reasoning", help="task recipe (default: vision_reasoning)"
+    )
     p_train.add_argument("--config", metavar="FILE", help="YAML config merged over the task recipe")
-    p_train.add_argument("--model", metavar="PATH", help="local Hugging Face VLM folder (default: the built-in tiny base)")
+    p_train.add_argument(
+        "--model", metavar="PATH", help="local Hugging Face VLM folder (default: the built-in tiny base)"
+    )
     p_train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
     args = parser.parse_args(argv)

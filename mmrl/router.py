@@ -1,14 +1,26 @@
-"""Routing responses to the verifier each sample names, and collecting per-component rewards.
+"""Routing responses to the verifier each sample names, on worker processes with a hard time limit.
 
-This is the synchronous router: every response is scored in this process, one after another,
-under each verifier's per-call time limit. A verifier error is never quietly a 0: it is kept on
-the result, counted in `RewardBatch.errors` and logged with the sample id.
+Each response is scored by the verifier its own sample names (`reward_model.verifier`). Scoring
+runs on a pool of worker processes (pebble), so a pathological answer, even one stuck inside C
+code where no signal can interrupt it (SymPy expanding `9^{9^{9^9}}`), is killed at the time
+limit, recorded as an error on that response's result, and training goes on; the pool replaces
+the killed worker. With `num_workers=0` scoring runs in-process, limited only by a timer signal
+that cannot interrupt C code.
+
+A verifier error is never quietly a 0: the result carries it, `RewardBatch.errors` counts it per
+`verifier/data_source`, and it is logged with the sample id. The stated policy: the response
+scores 0 and stays in the batch (its group's advantages are computed as usual).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing
+import time
 from collections import Counter
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +29,9 @@ from mmrl.types import Sample, VerifierResult, VerifyContext
 from mmrl.verifiers.registry import get_verifier
 
 log = logging.getLogger(__name__)
+
+KILL_GRACE_S = 1.0
+"""Extra time past the verifier's own limit before its worker process is killed."""
 
 
 @dataclass
@@ -27,25 +42,120 @@ class RewardBatch:
     scores: torch.Tensor
     """[N] final rewards."""
     errors: Counter = field(default_factory=Counter)
-    """Verifier errors by `verifier/data_source`."""
+    """Verifier errors (exceptions and time-outs) by `verifier/data_source`."""
+    timeouts: Counter = field(default_factory=Counter)
+    """Time-outs alone, by `verifier/data_source`."""
 
     def component(self, name: str) -> torch.Tensor:
         """[N] one named component (NaN where a result lacks it)."""
-        return torch.tensor(
-            [r.components.get(name, float("nan")) for r in self.results], dtype=torch.float32
-        )
+        return torch.tensor([r.components.get(name, float("nan")) for r in self.results], dtype=torch.float32)
 
 
-def score_responses(samples: list[Sample], texts: list[str], context: VerifyContext) -> RewardBatch:
-    """Score `texts[i]` against `samples[i]` with the verifier that sample names."""
-    results = []
-    errors: Counter = Counter()
-    for sample, text in zip(samples, texts, strict=True):
-        verifier = get_verifier(sample.reward_model.verifier)
-        result = verifier(text, sample, context)
-        if result.error is not None:
-            errors[f"{verifier.name}/{sample.data_source}"] += 1
-            log.warning("verifier %s failed on sample %s: %s", verifier.name, sample.id, result.error)
-        results.append(result)
-    scores = torch.tensor([r.score for r in results], dtype=torch.float32)
-    return RewardBatch(results=results, scores=scores, errors=errors)
+def _score_one(sample: Sample, response: str, context: VerifyContext, time_limit_s: float) -> VerifierResult:
+    """Runs in a worker process (or in-process with `num_workers=0`)."""
+    verifier = get_verifier(sample.reward_model.verifier)
+    return verifier(response, sample, context, time_limit_s=time_limit_s)
+
+
+class PendingRewards:
+    """Futures for a submitted batch; `result()` gathers them in row order."""
+
+    def __init__(self, samples: list[Sample], futures: list[Future | VerifierResult], time_limit_s: float):
+        self.samples = samples
+        self.futures = futures
+        self.time_limit_s = time_limit_s
+
+    def result(self) -> RewardBatch:
+        results: list[VerifierResult] = []
+        errors: Counter = Counter()
+        timeouts: Counter = Counter()
+        for sample, fut in zip(self.samples, self.futures):
+            result = _resolve(fut, self.time_limit_s)
+            key = f"{sample.reward_model.verifier}/{sample.data_source}"
+            if result.error is not None:
+                errors[key] += 1
+                if result.error.startswith("timeout"):
+                    timeouts[key] += 1
+                log.warning(
+                    "verifier %s failed on sample %s: %s",
+                    sample.reward_model.verifier,
+                    sample.id,
+                    result.error,
+                )
+            results.append(result)
+        scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+        return RewardBatch(results=results, scores=scores, errors=errors, timeouts=timeouts)
+
+
+def _resolve(fut: Future | VerifierResult, time_limit_s: float) -> VerifierResult:
+    if isinstance(fut, VerifierResult):
+        return fut
+    try:
+        return fut.result()
+    except (FutureTimeout, TimeoutError):
+        return VerifierResult(score=0.0, error=f"timeout: killed after {time_limit_s + KILL_GRACE_S:g}s")
+    except Exception as exc:  # noqa: BLE001 - a dead worker or unpicklable result is an error result
+        return VerifierResult(score=0.0, error=f"{type(exc).__name__}: {exc}")
+
+
+class Router:
+    """Dispatches each response to its sample's verifier.
+
+    Args:
+        num_workers: worker processes (0: score in this process, no hard time limit).
+        time_limit_s: per-call limit; past it (+ `KILL_GRACE_S`) the worker is killed.
+    """
+
+    def __init__(self, num_workers: int = 1, time_limit_s: float = 5.0):
+        self.num_workers = num_workers
+        self.time_limit_s = time_limit_s
+        self._pool = None
+        if num_workers > 0:
+            import pebble
+
+            self._pool = pebble.ProcessPool(
+                max_workers=num_workers, context=multiprocessing.get_context("spawn")
+            )
+
+    def submit(self, samples: list[Sample], texts: list[str], context: VerifyContext) -> PendingRewards:
+        """Start scoring; returns at once (worker mode) so generation can go on meanwhile."""
+        if len(samples) != len(texts):
+            raise ValueError(f"{len(samples)} samples but {len(texts)} responses")
+        futures: list[Future | VerifierResult] = []
+        for sample, text in zip(samples, texts):
+            if self._pool is None:
+                futures.append(_score_one(sample, text, context, self.time_limit_s))
+                continue
+            light = dataclasses.replace(sample, images=[])  # verifiers never need the pixels
+            futures.append(
+                self._pool.schedule(
+                    _score_one,
+                    args=(light, text, context, self.time_limit_s),
+                    timeout=self.time_limit_s + KILL_GRACE_S,
+                )
+            )
+        return PendingRewards(samples, futures, self.time_limit_s)
+
+    def score(self, samples: list[Sample], texts: list[str], context: VerifyContext) -> RewardBatch:
+        return self.submit(samples, texts, context).result()
+
+    def warm_up(self) -> float:
+        """Start the workers (imports take seconds) before the first timed step; returns seconds."""
+        start = time.monotonic()
+        if self._pool is not None:
+            futures = [self._pool.schedule(get_verifier, args=("math",)) for _ in range(self.num_workers)]
+            for f in futures:
+                f.result()
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join()
+            self._pool = None
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

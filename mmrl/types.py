@@ -14,14 +14,14 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from PIL import Image
 
 IMAGE_PLACEHOLDER = "<image>"
 
-ImageSource = Union[Image.Image, bytes, str]
+ImageSource = Image.Image | bytes | str
 """An image as a decoded PIL image, encoded bytes, or a path on disk."""
 
 

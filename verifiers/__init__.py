@@ -5,9 +5,8 @@ Verifiers are registered by name; a sample names its own verifier in
 `reward_model.verifier`. They are pure, picklable and CPU-only.
 """
 
-from mmrl.verifiers.registry import Verifier, get_verifier, register_verifier, verifier_names
-
 # Importing the modules registers their verifiers.
 from mmrl.verifiers import math as _math  # noqa: E402,F401
+from mmrl.verifiers.registry import Verifier, get_verifier, register_verifier, verifier_names
 
 __all__ = ["Verifier", "get_verifier", "register_verifier", "verifier_names"]

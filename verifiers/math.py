@@ -88,6 +88,4 @@ class MathVerifier(Verifier):
             if predicted and verify(gold, predicted, timeout_seconds=None, raise_on_error=True):
                 accuracy = 1.0
         final = rm.accuracy_ratio * accuracy + rm.format_ratio * fmt
-        return VerifierResult(
-            score=final, components={"accuracy": accuracy, "format": fmt}, extracted=answer
-        )
+        return VerifierResult(score=final, components={"accuracy": accuracy, "format": fmt}, extracted=answer)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,13 +17,12 @@ class VerifierTimeout(Exception):
 class Verifier:
     """Base class: subclasses implement `score` and may check samples at load time.
 
-    `__call__` wraps `score` with the per-call time limit and turns exceptions into an error
-    result (score 0, `error` set) so that callers can count and report them.
+    `__call__` wraps `score` with a per-call time limit (a timer signal: it interrupts Python
+    code, not C code; the router's worker processes add the hard limit) and turns exceptions
+    into an error result (score 0, `error` set) so that callers count and report them.
     """
 
     name: str = ""
-    time_limit_s: float = 5.0
-    """Wall-clock limit per call (enforced with a timer signal in the main thread)."""
 
     def check_sample(self, sample: Sample) -> None:
         """Raise `ValueError` (optionally with a `.field` attribute) if the sample's ground truth
@@ -34,16 +32,18 @@ class Verifier:
         raise NotImplementedError
 
     def __call__(
-        self, response: str, sample: Sample, context: VerifyContext | None = None
+        self,
+        response: str,
+        sample: Sample,
+        context: VerifyContext | None = None,
+        time_limit_s: float = 5.0,
     ) -> VerifierResult:
         context = context or VerifyContext()
         try:
-            return call_with_time_limit(
-                lambda: self.score(response, sample, context), self.time_limit_s
-            )
+            return call_with_time_limit(lambda: self.score(response, sample, context), time_limit_s)
         except VerifierTimeout:
             return VerifierResult(
-                score=0.0, error=f"timeout: {self.name} verifier ran past {self.time_limit_s:g}s"
+                score=0.0, error=f"timeout: {self.name} verifier ran past {time_limit_s:g}s"
             )
         except Exception as exc:  # noqa: BLE001 - any verifier bug becomes a counted error
             return VerifierResult(score=0.0, error=f"{type(exc).__name__}: {exc}")
@@ -93,11 +93,9 @@ def call_with_time_limit(fn: Callable[[], Any], seconds: float) -> Any:
         raise VerifierTimeout()
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    start = time.monotonic()
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         return fn()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-        del start

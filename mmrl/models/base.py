@@ -29,6 +29,7 @@ from mmrl.datasets.vision_reasoning import make_samples
 from mmrl.models.loading import Policy, make_policy
 from mmrl.models.tiny import build_processor, build_tiny_vlm
 from mmrl.rollout.hf import HFRolloutEngine, encode_prompts
+from mmrl.router import Router
 from mmrl.train.evaluation import evaluate
 from mmrl.train.forward import response_logprobs
 from mmrl.types import RolloutBatch, Sample
@@ -113,9 +114,7 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
     data_kw = dict(kinds=cfg.data.kinds, seed=cfg.data.seed, image_size=cfg.data.image_size)
     train = make_samples(n=cfg.data.num_train, split="train", **data_kw)
     validation = make_samples(n=wcfg.eval_size, split="validation", **data_kw)
-    engine = HFRolloutEngine(
-        policy.model, policy.processor, policy.blocked, policy.stop_token_ids, policy.pad_token_id
-    )
+    engine = HFRolloutEngine.from_policy(policy)
     model = policy.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=wcfg.lr)
     rng = np.random.default_rng(wcfg.seed)
@@ -123,6 +122,7 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
     cursor, streak, history = 0, 0, []
     start = time.monotonic()
     step = 0
+    router = Router(cfg.reward.num_workers, cfg.reward.time_limit_s)
     for step in range(1, wcfg.max_steps + 1):
         if cursor + wcfg.batch_size > len(order):
             order, cursor = rng.permutation(len(train)), 0
@@ -137,12 +137,13 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
         loss.backward()
         optimizer.step()
         if step % wcfg.eval_every == 0:
-            acc = evaluate(engine, validation, cfg.rollout.max_new_tokens)["eval/accuracy"]
-            history.append({"step": step, "loss": float(loss), "accuracy": acc})
+            acc = evaluate(engine, router, validation, cfg.rollout.max_new_tokens)["eval/accuracy"]
+            history.append({"step": step, "loss": loss.item(), "accuracy": acc})
             log.info("warm-up step %d: loss %.3f, validation accuracy %.3f", step, float(loss), acc)
             streak = streak + 1 if acc >= wcfg.target_accuracy else 0
             if streak >= wcfg.patience:
                 break
+    router.close()
     report = {
         "steps": step,
         "reached_target": streak >= wcfg.patience,

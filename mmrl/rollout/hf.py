@@ -12,6 +12,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, ProcessorMixin
 
 from mmrl.algos.logprobs import masked_logits, token_logprobs
+from mmrl.models.loading import Policy
 from mmrl.types import RolloutBatch, Sample
 
 
@@ -57,6 +58,17 @@ class HFRolloutEngine:
         self.stop_token_ids = stop_token_ids
         self.pad_token_id = pad_token_id
         self.max_batch_rows = max_batch_rows
+
+    @classmethod
+    def from_policy(cls, policy: Policy, max_batch_rows: int = 256) -> HFRolloutEngine:
+        return cls(
+            policy.model,
+            policy.processor,
+            policy.blocked,
+            policy.stop_token_ids,
+            policy.pad_token_id,
+            max_batch_rows=max_batch_rows,
+        )
 
     # The engine shares the trainer's module: nothing to sync, nothing to offload.
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -137,12 +149,12 @@ def encode_prompts(processor: ProcessorMixin, rows: list[Sample]) -> dict[str, t
     ]
     images = [im for s in rows for im in s.pil_images()]
     processor.tokenizer.padding_side = "left"
-    return dict(
-        processor(text=texts, images=images or None, padding=True, return_tensors="pt")
-    )
+    return dict(processor(text=texts, images=images or None, padding=True, return_tensors="pt"))
 
 
-def response_mask_from_stops(response: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def response_mask_from_stops(
+    response: torch.Tensor, stop_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask [N, R] of tokens up to and including the first stop token; truncated [N] where none."""
     is_stop = torch.zeros_like(response, dtype=torch.bool)
     for sid in stop_ids:

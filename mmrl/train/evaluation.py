@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections import defaultdict
 
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
-from mmrl.router import score_responses
+from mmrl.router import Router
 from mmrl.types import Sample, VerifyContext
 
 
 def evaluate(
     engine: HFRolloutEngine,
+    router: Router,
     samples: list[Sample],
     max_new_tokens: int,
     context: VerifyContext | None = None,
@@ -20,7 +21,7 @@ def evaluate(
     Accuracy is the verifier's `accuracy` component (the final score where a verifier has none).
     """
     batch = engine.generate(samples, SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
-    rewards = score_responses(batch.samples, batch.texts, context or VerifyContext())
+    rewards = router.score(batch.samples, batch.texts, context or VerifyContext())
     per_source: dict[str, list[float]] = defaultdict(list)
     accuracies = []
     for sample, result in zip(batch.samples, rewards.results):

@@ -35,7 +35,7 @@ from mmrl.datasets.vision_reasoning import make_samples
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
-from mmrl.router import RewardBatch, score_responses
+from mmrl.router import RewardBatch, Router
 from mmrl.train.batching import select_rows
 from mmrl.train.evaluation import evaluate
 from mmrl.train.forward import response_logprobs
@@ -55,8 +55,21 @@ class TrainResult:
     final_accuracy: float
     """Greedy held-out accuracy of the final policy (the one saved), not the best evaluation."""
     best_accuracy: float
+    """Best greedy held-out accuracy seen at any evaluation (reported, never substituted)."""
     steps: int
     seconds: float
+
+
+@dataclass
+class Trainee:
+    """What one GRPO step works on."""
+
+    policy: Policy
+    reference: torch.nn.Module | None
+    engine: HFRolloutEngine
+    router: Router
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
 
 
 def train(cfg: Config) -> TrainResult:
@@ -66,103 +79,120 @@ def train(cfg: Config) -> TrainResult:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
     run_dir = create_run_dir(cfg)
-    metrics_log = MetricsLogger(run_dir)
 
     # 2. Data: every record is validated here, before any training.
     train_samples, heldout = load_data(cfg)
     if cfg.trainer.eval_size:
         heldout = heldout[: cfg.trainer.eval_size]
+    sampler = PromptSampler(train_samples, seed=cfg.trainer.seed)
 
-    # 3. Policy, optional frozen reference, rollout engine, optimizer.
+    # 3. Policy, frozen reference (only with a KL penalty), rollout engine, router, optimizer.
     model_path = Path(cfg.model.path) if cfg.model.path else builtin_base(cfg)
     policy = load_policy(model_path)
-    model = policy.model
-    model.train()
-    reference = None
-    if cfg.algo.kl_coef > 0:
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
-    engine = HFRolloutEngine(
-        model, policy.processor, policy.blocked, policy.stop_token_ids, policy.pad_token_id,
-        max_batch_rows=cfg.rollout.max_batch_rows,
-    )
+    policy.model.train()
+    reference = copy.deepcopy(policy.model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
+        [p for p in policy.model.parameters() if p.requires_grad],
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    advantage_fn = get_advantage_estimator(cfg.algo.advantage)
-    sampler = PromptSampler(train_samples, seed=cfg.trainer.seed)
-    G, B = cfg.rollout.group_size, cfg.trainer.prompts_per_step
+    t = Trainee(
+        policy=policy,
+        reference=reference,
+        engine=HFRolloutEngine.from_policy(policy, max_batch_rows=cfg.rollout.max_batch_rows),
+        router=Router(cfg.reward.num_workers, cfg.reward.time_limit_s),
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
+    )
+    t.router.warm_up()
+    metrics_log = MetricsLogger(run_dir)
     total = cfg.trainer.total_steps
-    sampling = SamplingParams(n=G, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
 
     def run_eval(step: int) -> float:
-        metrics = evaluate(engine, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total))
+        metrics = evaluate(
+            t.engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total)
+        )
         metrics_log.log(step, metrics)
+        log.info("step %d: greedy held-out accuracy %.3f", step, metrics["eval/accuracy"])
         return metrics["eval/accuracy"]
 
-    start_acc = best_acc = final_acc = run_eval(0)
-    log.info("step 0: greedy held-out accuracy %.3f", start_acc)
-
-    # 4. The loop.
-    bar = tqdm(range(total), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True)
-    for step in bar:
-        t0 = time.monotonic()
-        samples = sampler.next(B)
-        # 4a. Rollout: B x G responses with their log-probs.
-        batch = engine.generate(samples, sampling)
-        t1 = time.monotonic()
-        # 4b. Rewards from each sample's own verifier.
-        rewards = score_responses(batch.samples, batch.texts, VerifyContext(step, total))
-        t2 = time.monotonic()
-        # 4c. Advantages within each prompt's group.
-        advantages = advantage_fn(rewards.scores, G, eps=cfg.algo.adv_eps)
-        # 4d. Old log-probs (the sampling policy) and reference log-probs.
-        old_logprobs, ref_logprobs = old_and_ref_logprobs(cfg, policy, reference, batch)
-        # 4e. Policy update over mini-batches.
-        update_metrics = update_policy(cfg, policy, optimizer, batch, advantages, old_logprobs, ref_logprobs)
-        scheduler.step()
-        t3 = time.monotonic()
-        # 4f. Metrics.
-        metrics = step_metrics(batch, rewards, advantages, G)
-        metrics.update(update_metrics)
-        if cfg.algo.old_logprobs == "recompute":
-            metrics["rollout/trainer_logprob_diff_max"] = float(
-                ((old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask).max()
+    # 4. The loop: one GRPO step per rollout batch, greedy evaluation every `eval_every` steps.
+    try:
+        start_acc = best_acc = final_acc = run_eval(0)
+        bar = tqdm(range(1, total + 1), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True)
+        for step in bar:
+            metrics = grpo_step(
+                cfg, t, sampler.next(cfg.trainer.prompts_per_step), VerifyContext(step - 1, total)
             )
-        metrics["actor/lr"] = scheduler.get_last_lr()[0]
-        generated = float(batch.response_mask.sum())
-        metrics.update({
+            metrics_log.log(step, metrics)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{final_acc:.3f}")
+            if step % cfg.trainer.eval_every == 0 or step == total:
+                final_acc = run_eval(step)
+                best_acc = max(best_acc, final_acc)
+        bar.close()
+    finally:
+        t.router.close()
+        metrics_log.close()
+
+    # 5. Final checkpoint (HF format), training curves, summary.
+    if cfg.trainer.save_final:
+        policy.model.save_pretrained(run_dir / "final")
+        policy.processor.save_pretrained(run_dir / "final")
+    plot_training_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
+    result = TrainResult(
+        run_dir=run_dir,
+        start_accuracy=start_acc,
+        final_accuracy=final_acc,
+        best_accuracy=best_acc,
+        steps=total,
+        seconds=time.monotonic() - t_start,
+    )
+    summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
+    summary["model_path"] = str(model_path)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return result
+
+
+def grpo_step(cfg: Config, t: Trainee, samples: list[Sample], context: VerifyContext) -> dict[str, float]:
+    """One GRPO step on B prompts; returns its metrics."""
+    G = cfg.rollout.group_size
+    t0 = time.monotonic()
+    # a. Rollout: B x G responses with their log-probs.
+    params = SamplingParams(
+        n=G, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens
+    )
+    batch = t.engine.generate(samples, params)
+    t1 = time.monotonic()
+    # b. Rewards from each sample's own verifier.
+    rewards = t.router.score(batch.samples, batch.texts, context)
+    t2 = time.monotonic()
+    # c. Advantages within each prompt's group.
+    advantages = get_advantage_estimator(cfg.algo.advantage)(rewards.scores, G, eps=cfg.algo.adv_eps)
+    # d. Log-probs of the sampling policy ("old") and of the reference.
+    old_logprobs, ref_logprobs = old_and_ref_logprobs(cfg, t.policy, t.reference, batch)
+    # e. Policy update over mini-batches, then the learning-rate schedule.
+    metrics = update_policy(cfg, t.policy, t.optimizer, batch, advantages, old_logprobs, ref_logprobs)
+    metrics["actor/lr"] = t.scheduler.get_last_lr()[0]
+    t.scheduler.step()
+    t3 = time.monotonic()
+
+    metrics.update(step_metrics(batch, rewards, advantages, G))
+    if cfg.algo.old_logprobs == "recompute":
+        diff = (old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
+        metrics["rollout/trainer_logprob_diff_max"] = float(diff.max())
+    generated = float(batch.response_mask.sum())
+    metrics.update(
+        {
             "time/rollout_s": t1 - t0,
             "time/reward_s": t2 - t1,
             "time/update_s": t3 - t2,
             "time/step_s": t3 - t0,
             "throughput/samples_per_s": len(batch) / (t3 - t0),
             "throughput/generated_tokens_per_s": generated / (t3 - t0),
-        })
-        done = step + 1
-        metrics_log.log(done, metrics)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{final_acc:.3f}")
-        if done % cfg.trainer.eval_every == 0 or done == total:
-            final_acc = run_eval(done)
-            best_acc = max(best_acc, final_acc)
-            log.info("step %d: greedy held-out accuracy %.3f", done, final_acc)
-    bar.close()
-
-    # 5. Final checkpoint, plot and summary.
-    if cfg.trainer.save_final:
-        model.save_pretrained(run_dir / "final")
-        policy.processor.save_pretrained(run_dir / "final")
-    metrics_log.close()
-    plot_training_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
-    result = TrainResult(
-        run_dir=run_dir, start_accuracy=start_acc, final_accuracy=final_acc, best_accuracy=best_acc,
-        steps=total, seconds=time.monotonic() - t_start,
+        }
     )
-    summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
-    summary["model_path"] = str(model_path)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return result
+    return metrics
 
 
 def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
@@ -233,7 +263,9 @@ def old_and_ref_logprobs(
     return old, ref
 
 
-def row_chunks(cfg: Config, n_rows: int, shuffle: bool, generator: torch.Generator | None = None) -> list[list[int]]:
+def row_chunks(
+    cfg: Config, n_rows: int, shuffle: bool, generator: torch.Generator | None = None
+) -> list[list[int]]:
     """Rows split into forward-sized chunks: mini-batches, then micro-batches within each."""
     order = torch.randperm(n_rows, generator=generator).tolist() if shuffle else list(range(n_rows))
     size = n_rows // cfg.trainer.mini_batches
@@ -275,19 +307,30 @@ def update_policy(
                 sub = select_rows(batch, rows)
                 mask = sub.response_mask.float()
                 logprobs, entropy = response_logprobs(
-                    model, sub, policy.blocked, cfg.rollout.temperature,
-                    with_entropy=True, entropy_grad=a.entropy_coef > 0,
+                    model,
+                    sub,
+                    policy.blocked,
+                    cfg.rollout.temperature,
+                    with_entropy=True,
+                    entropy_grad=a.entropy_coef > 0,
                 )
                 pg_loss, pg_metrics = clipped_policy_loss(
-                    logprobs, old_logprobs[rows], advantages[rows], mask,
-                    clip_low=a.clip_low, clip_high=a.clip_high, token_denom=denom,
+                    logprobs,
+                    old_logprobs[rows],
+                    advantages[rows],
+                    mask,
+                    clip_low=a.clip_low,
+                    clip_high=a.clip_high,
+                    token_denom=denom,
                 )
                 loss = pg_loss
                 ent = masked_mean(entropy, mask, denom)
                 if a.entropy_coef > 0:
                     loss = loss - a.entropy_coef * ent
                 if ref_logprobs is not None:
-                    ref_kl = masked_mean(kl_estimate(logprobs, ref_logprobs[rows], a.kl_estimator), mask, denom)
+                    ref_kl = masked_mean(
+                        kl_estimate(logprobs, ref_logprobs[rows], a.kl_estimator), mask, denom
+                    )
                     loss = loss + a.kl_coef * ref_kl
                     sums["actor/ref_kl"].append(float(ref_kl) * denom)
                 loss.backward()
@@ -299,8 +342,12 @@ def update_policy(
                 tokens = float(mask.sum())
                 for k in ("clip_frac_low", "clip_frac_high", "ratio_mean"):
                     sums[f"actor/{k}"].append(pg_metrics[k] * tokens)
-                extremes["actor/ratio_min"] = min(extremes.get("actor/ratio_min", math.inf), pg_metrics["ratio_min"])
-                extremes["actor/ratio_max"] = max(extremes.get("actor/ratio_max", -math.inf), pg_metrics["ratio_max"])
+                extremes["actor/ratio_min"] = min(
+                    extremes.get("actor/ratio_min", math.inf), pg_metrics["ratio_min"]
+                )
+                extremes["actor/ratio_max"] = max(
+                    extremes.get("actor/ratio_max", -math.inf), pg_metrics["ratio_max"]
+                )
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             )
@@ -320,7 +367,9 @@ def update_policy(
     return metrics
 
 
-def step_metrics(batch: RolloutBatch, rewards: RewardBatch, advantages: torch.Tensor, G: int) -> dict[str, float]:
+def step_metrics(
+    batch: RolloutBatch, rewards: RewardBatch, advantages: torch.Tensor, G: int
+) -> dict[str, float]:
     """Reward, response-length and advantage statistics, overall and per data source."""
     lengths = batch.response_mask.sum(dim=1).float()
     scores = rewards.scores
@@ -336,6 +385,7 @@ def step_metrics(batch: RolloutBatch, rewards: RewardBatch, advantages: torch.Te
         "adv/std": float(advantages.std()) if len(advantages) > 1 else 0.0,
         "adv/abs_max": float(advantages.abs().max()),
         "verifier/errors": float(sum(rewards.errors.values())),
+        "verifier/timeouts": float(sum(rewards.timeouts.values())),
     }
     components: dict[str, list[float]] = defaultdict(list)
     by_source: dict[str, list[int]] = defaultdict(list)

@@ -1,0 +1,69 @@
+"""The tiny built-in models: real Qwen2-VL / Qwen2.5-VL architectures, offline, HF format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from mmrl.models.loading import load_policy
+from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm
+from mmrl.models.tokenizer import SPECIAL_TOKENS, build_byte_tokenizer
+
+
+def test_byte_tokenizer_round_trips_any_text():
+    tok = build_byte_tokenizer()
+    text = "\\boxed{3} — naïve 数学 <answer>7</answer>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text.encode("utf-8"))  # one token per byte
+    assert tok.decode(ids) == text
+    assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(256, 256 + len(SPECIAL_TOKENS)))
+
+
+def test_chat_template_places_vision_tokens():
+    tok = build_byte_tokenizer()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl"])
+def test_tiny_model_saves_and_reloads_offline_through_auto_classes(architecture, tmp_path):
+    spec = TinyVLMSpec(architecture=architecture)
+    model, processor = build_tiny_vlm(spec), build_processor(spec)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 300_000 < n_params < 1_000_000
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+
+    policy = load_policy(tmp_path)
+    assert isinstance(policy.processor, type(AutoProcessor.from_pretrained(tmp_path)))
+    assert type(policy.model) is type(AutoModelForImageTextToText.from_pretrained(tmp_path))
+    # A 64x64 image is (64 / 8 / 2)^2 = 16 language-model tokens.
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}]
+    text = policy.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = policy.processor(text=[text], images=[Image.new("RGB", (64, 64))], return_tensors="pt")
+    image_id = policy.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((inputs["input_ids"] == image_id).sum()) == 16
+    with torch.no_grad():
+        reloaded = policy.model(**inputs).logits
+        original = model(**inputs).logits
+    torch.testing.assert_close(reloaded, original)
+
+
+def test_blocked_tokens_cover_vision_and_structural_specials_but_not_the_stop_token(tiny_policy):
+    tok = tiny_policy.processor.tokenizer
+    blocked = {i for i in range(len(tiny_policy.blocked)) if tiny_policy.blocked[i]}
+    for name in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>"):
+        assert tok.convert_tokens_to_ids(name) in blocked
+    assert tok.convert_tokens_to_ids("<|im_end|>") in tiny_policy.stop_token_ids
+    assert tok.convert_tokens_to_ids("<|im_end|>") not in blocked
+    assert not any(i < 256 for i in blocked)  # every byte can be sampled
+
+
+def test_load_policy_names_a_folder_that_is_not_a_model(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_policy(tmp_path)

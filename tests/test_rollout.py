@@ -1,0 +1,81 @@
+"""Rollout: left padding, stopping, and log-probs that equal the trainer's recomputation."""
+
+from __future__ import annotations
+
+import torch
+
+from mmrl.config import load_config
+from mmrl.datasets.vision_reasoning import make_samples
+from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, response_mask_from_stops
+from mmrl.train.batching import select_rows
+from mmrl.train.forward import response_logprobs
+from mmrl.train.grpo import old_and_ref_logprobs
+
+
+def _mixed_samples(n=6):
+    # Different kinds have different question lengths, so prompts are left padded.
+    return make_samples(["colour_code", "count", "bar_chart"], n, "train")
+
+
+def test_rollout_logprobs_equal_the_trainers_recomputed_logprobs(tiny_policy):
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(_mixed_samples(), SamplingParams(n=4, temperature=1.0, max_new_tokens=12))
+    assert batch.prompt_mask.sum(1).unique().numel() > 1  # really padded
+    assert batch.response_mask.sum() > 0
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
+    torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)
+    # Also at another temperature and for a sub-batch of rows (mini-batching keeps the images).
+    batch = engine.generate(_mixed_samples(), SamplingParams(n=2, temperature=0.7, max_new_tokens=12))
+    rows = [5, 0, 7, 3]
+    with torch.no_grad():
+        sub, _ = response_logprobs(tiny_policy.model, select_rows(batch, rows), tiny_policy.blocked, 0.7)
+    torch.testing.assert_close(sub, batch.rollout_logprobs[rows], atol=1e-5, rtol=0)
+
+
+def test_left_padding_does_not_change_greedy_outputs(tiny_policy):
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    samples = _mixed_samples()
+    params = SamplingParams(n=1, greedy=True, max_new_tokens=10)
+    together = engine.generate(samples, params).texts
+    alone = [engine.generate([s], params).texts[0] for s in samples]
+    assert together == alone
+
+
+def test_responses_stop_at_the_stop_token():
+    stop = 9
+    response = torch.tensor([[1, 2, 9, 5, 9], [1, 2, 3, 4, 5], [9, 0, 0, 0, 0]])
+    mask, truncated = response_mask_from_stops(response, [stop])
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert truncated.tolist() == [False, True, False]
+
+
+def test_generated_rows_are_prompt_major_and_masked_after_stop(tiny_policy):
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    samples = _mixed_samples(3)
+    batch = engine.generate(samples, SamplingParams(n=5, max_new_tokens=8))
+    assert [s.id for s in batch.samples] == [s.id for s in samples for _ in range(5)]
+    stop = tiny_policy.stop_token_ids[0]
+    for row, mask in zip(batch.response_ids, batch.response_mask):
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any()
+        stops = (row[:n] == stop).nonzero().flatten().tolist()
+        assert stops in ([], [n - 1])  # a stop token can only be the last counted token
+    # No blocked token is ever sampled.
+    counted = batch.response_ids[batch.response_mask.bool()]
+    assert not tiny_policy.blocked[counted].any()
+
+
+def test_first_on_policy_mini_batch_has_ratio_exactly_one(tiny_policy):
+    cfg = load_config(
+        "vision_reasoning",
+        overrides=["trainer.prompts_per_step=4", "rollout.group_size=4", "trainer.mini_batches=2"],
+    )
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(_mixed_samples(4), SamplingParams(n=4, max_new_tokens=8))
+    old, _ = old_and_ref_logprobs(cfg, tiny_policy, None, batch)
+    first = list(range(8))  # the first of two mini-batches, in the order the update uses
+    tiny_policy.model.train()
+    logprobs, _ = response_logprobs(tiny_policy.model, select_rows(batch, first), tiny_policy.blocked, 1.0)
+    ratio = torch.exp(logprobs - old[first])
+    assert torch.equal(ratio, torch.ones_like(ratio))

@@ -1,0 +1,119 @@
+"""The math verifier and the router's time limits and error accounting."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mmrl.datasets.vision_reasoning import make_samples
+from mmrl.router import Router
+from mmrl.types import RewardSpec, Sample, VerifyContext
+from mmrl.verifiers import get_verifier
+from mmrl.verifiers.math import extract_answer, last_boxed
+
+
+def _sample(gold: str, fmt_ratio: float = 0.0) -> Sample:
+    return Sample(
+        data_source="toy",
+        prompt=[{"role": "user", "content": "q"}],
+        images=[],
+        ability="math",
+        reward_model=RewardSpec(
+            ground_truth=gold, verifier="math", accuracy_ratio=1.0, format_ratio=fmt_ratio
+        ),
+        extra_info={"id": "t"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("so \\boxed{3}.", "3"),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("<think>hm</think><answer>42</answer>", "42"),
+        ("<answer>x \\boxed{7}</answer>", "7"),
+        ("\\boxed{\\{a\\}}", "\\{a\\}"),
+        ("no answer here", None),
+        ("\\boxed{unclosed", None),
+    ],
+)
+def test_answer_extraction(text, answer):
+    assert extract_answer(text) == answer
+
+
+def test_last_boxed_matches_nested_braces():
+    assert last_boxed("\\boxed{\\frac{a}{b}}") == "\\frac{a}{b}"
+
+
+@pytest.mark.parametrize(
+    ("gold", "response", "accuracy"),
+    [
+        ("3", "\\boxed{3}", 1.0),
+        ("3", "\\boxed{3.0}", 1.0),
+        ("0.5", "\\boxed{\\frac{1}{2}}", 1.0),
+        ("\\frac{1}{2}", "<answer>1/2</answer>", 1.0),
+        ("5", "\\boxed{5\\text{ cm}}", 1.0),
+        ("25\\%", "\\boxed{0.25}", 1.0),
+        ("\\sqrt{2}", "\\boxed{2^{1/2}}", 1.0),
+        ("3", "\\boxed{4}", 0.0),
+        ("3", "\\boxed{}", 0.0),
+        ("3", "3", 0.0),  # no boxed / <answer>: not an answer
+        ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", 0.0),
+    ],
+)
+def test_math_verifier_accepts_equivalent_forms_and_rejects_wrong_ones(gold, response, accuracy):
+    result = get_verifier("math")(response, _sample(gold))
+    assert result.error is None
+    assert result.components["accuracy"] == accuracy
+
+
+def test_final_reward_mixes_accuracy_and_format_with_the_samples_ratios():
+    verifier = get_verifier("math")
+    sample = _sample("3", fmt_ratio=0.25)
+    assert verifier("\\boxed{3}", sample).score == pytest.approx(1.25)
+    assert verifier("\\boxed{4}", sample).score == pytest.approx(0.25)
+    assert verifier("four", sample).score == 0.0
+
+
+def test_in_process_timer_interrupts_slow_python_code():
+    verifier = get_verifier("math")
+
+    def slow_score(*args):
+        time.sleep(10)
+
+    original = type(verifier).score
+    type(verifier).score = slow_score
+    try:
+        result = verifier("\\boxed{1}", _sample("1"), time_limit_s=0.3)
+    finally:
+        type(verifier).score = original
+    # Without the interrupt the call would return None after 10 s, not a time-out result.
+    assert result.score == 0.0 and result.error.startswith("timeout")
+
+
+def test_router_kills_a_verifier_stuck_in_c_code_and_keeps_serving():
+    """SymPy evaluating 9^(9^(9^9)) sits in C integer code where no signal handler runs:
+    only killing the worker process bounds it."""
+    samples = [_sample("3"), _sample("3"), _sample("3")]
+    texts = ["\\boxed{3}", "\\boxed{9^{9^{9^{9}}}}", "\\boxed{4}"]
+    with Router(num_workers=1, time_limit_s=1.0) as router:
+        router.warm_up()
+        batch = router.score(samples, texts, VerifyContext())
+        # Returning at all is the point: unkilled, this call runs for hours.
+        assert [r.components.get("accuracy") for r in batch.results] == [1.0, None, 0.0]
+        assert batch.results[1].error.startswith("timeout")
+        assert batch.errors == {"math/toy": 1} and batch.timeouts == {"math/toy": 1}
+        assert batch.scores.tolist() == [1.0, 0.0, 0.0]
+        # The pool replaced the killed worker: later batches are scored normally.
+        again = router.score(samples[:1], ["\\boxed{3}"], VerifyContext())
+        assert again.scores.tolist() == [1.0] and not again.errors
+
+
+def test_router_in_process_mode_gives_the_same_results_as_workers():
+    samples = make_samples(["colour_code", "count"], 8, "train")
+    texts = [f"\\boxed{{{s.reward_model.ground_truth if i % 2 else 0}}}" for i, s in enumerate(samples)]
+    with Router(num_workers=0) as inproc, Router(num_workers=1) as pooled:
+        a = inproc.score(samples, texts, VerifyContext())
+        b = pooled.score(samples, texts, VerifyContext())
+    assert a.scores.tolist() == b.scores.tolist() == [float(i % 2) for i in range(8)]
