@@ -54,7 +54,11 @@ def test_every_config_field_has_a_docstring():
             if isinstance(node, ast.ClassDef):
                 names = documented.setdefault(node.name, set())
                 for stmt, nxt in zip(node.body, node.body[1:]):
-                    if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                    if (
+                        isinstance(stmt, ast.AnnAssign)
+                        and isinstance(nxt, ast.Expr)
+                        and isinstance(nxt.value, ast.Constant)
+                    ):
                         names.add(stmt.target.id)
 
     def check(cls) -> int:

@@ -74,37 +74,22 @@ class Trainee:
 
 def train(cfg: Config) -> TrainResult:
     t_start = time.monotonic()
-    # 1. Setup: seeds, threads, run directory.
+    # 1. Setup: seeds, threads.
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
-    run_dir = create_run_dir(cfg)
 
-    # 2. Data: every record is validated here, before any training.
+    # 2. Data: every record is validated here, before anything is written or trained.
     train_samples, heldout = load_data(cfg)
     if cfg.trainer.eval_size:
         heldout = heldout[: cfg.trainer.eval_size]
     sampler = PromptSampler(train_samples, seed=cfg.trainer.seed)
+    run_dir = create_run_dir(cfg)
 
     # 3. Policy, frozen reference (only with a KL penalty), rollout engine, router, optimizer.
     model_path = Path(cfg.model.path) if cfg.model.path else builtin_base(cfg)
     policy = load_policy(model_path)
-    policy.model.train()
-    reference = copy.deepcopy(policy.model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.model.parameters() if p.requires_grad],
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        weight_decay=cfg.optim.weight_decay,
-    )
-    t = Trainee(
-        policy=policy,
-        reference=reference,
-        engine=HFRolloutEngine.from_policy(policy, max_batch_rows=cfg.rollout.max_batch_rows),
-        router=Router(cfg.reward.num_workers, cfg.reward.time_limit_s),
-        optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
-    )
+    t = make_trainee(cfg, policy)
     t.router.warm_up()
     metrics_log = MetricsLogger(run_dir)
     total = cfg.trainer.total_steps
@@ -152,6 +137,26 @@ def train(cfg: Config) -> TrainResult:
     summary["model_path"] = str(model_path)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return result
+
+
+def make_trainee(cfg: Config, policy: Policy) -> Trainee:
+    """Wire a policy into what a GRPO step needs: reference, engine, router, optimizer."""
+    policy.model.train()
+    reference = copy.deepcopy(policy.model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.model.parameters() if p.requires_grad],
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+    )
+    return Trainee(
+        policy=policy,
+        reference=reference,
+        engine=HFRolloutEngine.from_policy(policy, max_batch_rows=cfg.rollout.max_batch_rows),
+        router=Router(cfg.reward.num_workers, cfg.reward.time_limit_s),
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
+    )
 
 
 def grpo_step(cfg: Config, t: Trainee, samples: list[Sample], context: VerifyContext) -> dict[str, float]:

@@ -1,0 +1,45 @@
+# mmrl developer commands. `make run` and `make test` work on a fresh machine:
+# they create .venv, install mmrl with the pinned versions in constraints.txt, then run.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Keep the checkout's folders (datasets/, verifiers/) off sys.path: only `mmrl.*` is importable.
+export PYTHONSAFEPATH := 1
+# Never reach a model hub: a stray download fails loudly instead of hanging.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install run test lint format bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+## Train GRPO on the built-in task with the built-in tiny base (one-time warm-up included).
+run: install
+	$(VENV)/bin/mmrl train --task vision_reasoning
+
+## Lint, format check, and the whole test suite (slow tests included).
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+## Rollout + training throughput on the default task.
+bench: install
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache
