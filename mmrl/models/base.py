@@ -139,7 +139,7 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
         if step % wcfg.eval_every == 0:
             acc = evaluate(engine, router, validation, cfg.rollout.max_new_tokens)["eval/accuracy"]
             history.append({"step": step, "loss": loss.item(), "accuracy": acc})
-            log.info("warm-up step %d: loss %.3f, validation accuracy %.3f", step, float(loss), acc)
+            log.info("warm-up step %d: loss %.3f, validation accuracy %.3f", step, loss.item(), acc)
             streak = streak + 1 if acc >= wcfg.target_accuracy else 0
             if streak >= wcfg.patience:
                 break
