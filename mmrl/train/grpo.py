@@ -337,13 +337,13 @@ def update_policy(
                         kl_estimate(logprobs, ref_logprobs[rows], a.kl_estimator), mask, denom
                     )
                     loss = loss + a.kl_coef * ref_kl
-                    sums["actor/ref_kl"].append(float(ref_kl) * denom)
+                    sums["actor/ref_kl"].append(ref_kl.item() * denom)
                 loss.backward()
                 with torch.no_grad():
                     ppo_kl = masked_mean(kl_estimate(logprobs, old_logprobs[rows], "k3"), mask, denom)
-                sums["actor/pg_loss"].append(float(pg_loss) * denom)
-                sums["actor/entropy"].append(float(ent) * denom)
-                sums["actor/ppo_kl"].append(float(ppo_kl) * denom)
+                sums["actor/pg_loss"].append(pg_loss.item() * denom)
+                sums["actor/entropy"].append(ent.item() * denom)
+                sums["actor/ppo_kl"].append(ppo_kl.item() * denom)
                 tokens = float(mask.sum())
                 for k in ("clip_frac_low", "clip_frac_high", "ratio_mean"):
                     sums[f"actor/{k}"].append(pg_metrics[k] * tokens)
