@@ -8,14 +8,12 @@ off in favour of the verifier's per-call limit (one timer, not two fighting over
 from __future__ import annotations
 
 import logging
-import re
 
 from mmrl.types import Sample, VerifierResult, VerifyContext
-from mmrl.verifiers.registry import Verifier, register_verifier
+from mmrl.verifiers.format import answer_tag_content, check_format_param, format_score
+from mmrl.verifiers.registry import SampleFieldError, Verifier, mix_score, register_verifier
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)
-
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def last_boxed(text: str) -> str | None:
@@ -42,10 +40,7 @@ def extract_answer(response: str) -> str | None:
     boxed = last_boxed(response)
     if boxed is not None:
         return boxed.strip()
-    tags = _ANSWER_TAG.findall(response)
-    if tags:
-        return tags[-1].strip()
-    return None
+    return answer_tag_content(response)
 
 
 def _parse(text: str):
@@ -61,31 +56,38 @@ def _parse(text: str):
 
 @register_verifier("math")
 class MathVerifier(Verifier):
-    """Accuracy 1 if the extracted answer equals the ground truth (math-verify); format 1 if an
-    answer could be extracted at all."""
+    """Accuracy 1 if the extracted answer equals the ground truth (math-verify). Format: see
+    `mmrl.verifiers.format` (by default 1 when an answer could be extracted)."""
 
     def check_sample(self, sample: Sample) -> None:
+        check_format_param(sample)
         gold = sample.reward_model.ground_truth
+        field = "reward_model.ground_truth"
         if not isinstance(gold, (str, int, float)) or isinstance(gold, bool):
-            raise ValueError(f"must be a string or number for the math verifier, got {type(gold).__name__}")
+            raise SampleFieldError(
+                field, f"must be a string or number for the math verifier, got {type(gold).__name__}"
+            )
         text = extract_answer(str(gold)) or str(gold)
         if not text.strip():
-            raise ValueError("is empty")
+            raise SampleFieldError(field, "is empty")
         if not _parse(text):
-            raise ValueError(f"math-verify cannot parse {text!r}")
+            raise SampleFieldError(field, f"math-verify cannot parse {text!r}")
 
     def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
         from math_verify import verify
 
-        rm = sample.reward_model
+        gold_text = extract_answer(str(sample.reward_model.ground_truth)) or str(
+            sample.reward_model.ground_truth
+        )
         answer = extract_answer(response)
-        fmt = 0.0 if answer is None else 1.0
         accuracy = 0.0
         if answer:
-            gold_text = extract_answer(str(rm.ground_truth)) or str(rm.ground_truth)
-            gold = _parse(gold_text)
             predicted = _parse(answer)
-            if predicted and verify(gold, predicted, timeout_seconds=None, raise_on_error=True):
+            if predicted and verify(_parse(gold_text), predicted, timeout_seconds=None, raise_on_error=True):
                 accuracy = 1.0
-        final = rm.accuracy_ratio * accuracy + rm.format_ratio * fmt
-        return VerifierResult(score=final, components={"accuracy": accuracy, "format": fmt}, extracted=answer)
+        fmt = format_score(response, sample, answer is not None)
+        return VerifierResult(
+            score=mix_score(sample, accuracy, fmt),
+            components={"accuracy": accuracy, "format": fmt},
+            extracted=answer,
+        )

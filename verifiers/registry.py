@@ -14,6 +14,20 @@ class VerifierTimeout(Exception):
     """A verifier call ran past its time limit."""
 
 
+class SampleFieldError(ValueError):
+    """Raised by `Verifier.check_sample`: what is wrong, and in which field of the record."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(problem)
+        self.field = field
+
+
+def mix_score(sample: Sample, accuracy: float, fmt: float) -> float:
+    """The final reward: accuracy and format weighted by the sample's ratios (V-Triune)."""
+    rm = sample.reward_model
+    return rm.accuracy_ratio * accuracy + rm.format_ratio * fmt
+
+
 class Verifier:
     """Base class: subclasses implement `score` and may check samples at load time.
 
@@ -25,8 +39,9 @@ class Verifier:
     name: str = ""
 
     def check_sample(self, sample: Sample) -> None:
-        """Raise `ValueError` (optionally with a `.field` attribute) if the sample's ground truth
-        or verifier params are unusable. Called once per sample when data is loaded."""
+        """Raise `SampleFieldError(field, problem)` if the sample's ground truth or verifier
+        params are unusable (`field` like "reward_model.verifier_params.iou_threshold").
+        Called once per sample when data is loaded, so bad data fails before training."""
 
     def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
         raise NotImplementedError

@@ -1,0 +1,1 @@
+"""Detection / grounding verifier (to be written)."""

@@ -1,0 +1,1 @@
+"""OCR, choice, number and counting verifiers (to be written)."""
