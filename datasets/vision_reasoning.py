@@ -18,13 +18,10 @@ minutes on a CPU does not learn to count (measured), so they are not in the defa
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from mmrl.types import RewardSpec, Sample
+from mmrl.datasets.procedural import Drawn, register_kind
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -37,7 +34,6 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 COLOUR_CODE = {name: i + 1 for i, name in enumerate(COLOURS)}
 SHAPES = ("circle", "square", "triangle")
 KINDS = ("colour_code", "count", "arithmetic", "bar_chart")
-SPLITS = {"train": 0, "heldout": 1, "validation": 2}
 
 _CODE_TEXT = " ".join(f"{name}={code}" for name, code in COLOUR_CODE.items())
 QUESTIONS = {
@@ -49,48 +45,14 @@ QUESTIONS = {
 ANSWER_FORMAT = " Answer with \\boxed{n}."
 
 
-@dataclass
-class Drawn:
-    image: Image.Image
-    answer: int
-    question: str
-    details: dict
-
-
-def make_samples(
-    kinds: list[str] | tuple[str, ...],
-    n: int,
-    split: str,
-    seed: int = 0,
-    image_size: int = 64,
-) -> list[Sample]:
-    """`n` samples cycling through `kinds`, deterministic in (kinds, n, split, seed, image_size)."""
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown or not kinds:
-        raise ValueError(f"unknown vision_reasoning kind(s) {unknown}: choose from {list(KINDS)}")
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}: choose from {list(SPLITS)}")
-    samples = []
-    for i in range(n):
-        kind = kinds[i % len(kinds)]
-        rng = np.random.default_rng([seed, SPLITS[split], KINDS.index(kind), i])
-        drawn = DRAW[kind](rng, image_size)
-        samples.append(
-            Sample(
-                data_source=f"vision_reasoning/{kind}",
-                prompt=[{"role": "user", "content": "<image>" + drawn.question + ANSWER_FORMAT}],
-                images=[drawn.image],
-                ability="math",
-                reward_model=RewardSpec(ground_truth=str(drawn.answer), verifier="math"),
-                extra_info={"id": f"vision_reasoning/{kind}/{split}/{seed}/{i}", **drawn.details},
-            )
-        )
-    return samples
-
-
-def image_digest(image: Image.Image) -> str:
-    """A content hash, used to show that the splits share no image."""
-    return hashlib.sha1(image.tobytes()).hexdigest()
+def _numeric(image: Image.Image, answer: int, question: str, details: dict) -> Drawn:
+    return Drawn(
+        image=image,
+        question=question + ANSWER_FORMAT,
+        ground_truth=str(answer),
+        reference=f"\\boxed{{{answer}}}",
+        details=details,
+    )
 
 
 def _background(rng: np.random.Generator, size: int) -> Image.Image:
@@ -111,6 +73,7 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: 
         draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
 
 
+@register_kind("colour_code", "vision_reasoning", stream=0)
 def _colour_code(rng: np.random.Generator, size: int) -> Drawn:
     image = _background(rng, size)
     colour = str(rng.choice(list(COLOURS)))
@@ -118,9 +81,10 @@ def _colour_code(rng: np.random.Generator, size: int) -> Drawn:
     r = rng.uniform(0.14, 0.3) * size
     cx, cy = rng.uniform(r, size - r, size=2)
     _draw_shape(ImageDraw.Draw(image), shape, cx, cy, r, _jitter(COLOURS[colour], rng))
-    return Drawn(image, COLOUR_CODE[colour], QUESTIONS["colour_code"], {"colour": colour, "shape": shape})
+    return _numeric(image, COLOUR_CODE[colour], QUESTIONS["colour_code"], {"colour": colour, "shape": shape})
 
 
+@register_kind("count", "vision_reasoning", stream=1)
 def _count(rng: np.random.Generator, size: int) -> Drawn:
     image = _background(rng, size)
     draw = ImageDraw.Draw(image)
@@ -136,9 +100,10 @@ def _count(rng: np.random.Generator, size: int) -> Drawn:
         cx, cy = (c % 4 + 0.5) * cell, (c // 4 + 0.5) * cell
         shape = str(rng.choice(SHAPES))
         _draw_shape(draw, shape, cx, cy, cell * rng.uniform(0.3, 0.45), _jitter(COLOURS[colour], rng))
-    return Drawn(image, n_target, QUESTIONS["count"].format(colour=target), {"colour": target})
+    return _numeric(image, n_target, QUESTIONS["count"].format(colour=target), {"colour": target})
 
 
+@register_kind("arithmetic", "vision_reasoning", stream=2)
 def _arithmetic(rng: np.random.Generator, size: int) -> Drawn:
     image = _background(rng, size)
     draw = ImageDraw.Draw(image)
@@ -148,9 +113,10 @@ def _arithmetic(rng: np.random.Generator, size: int) -> Drawn:
         x = (0.08 + 0.5 * k) * size + rng.uniform(0, 0.08) * size
         y = rng.uniform(0.1, 0.35) * size
         draw.text((x, y), str(digit), fill=(20, 20, 20), font=font)
-    return Drawn(image, a + b, QUESTIONS["arithmetic"], {"digits": [a, b]})
+    return _numeric(image, a + b, QUESTIONS["arithmetic"], {"digits": [a, b]})
 
 
+@register_kind("bar_chart", "vision_reasoning", stream=3)
 def _bar_chart(rng: np.random.Generator, size: int) -> Drawn:
     image = Image.new("RGB", (size, size), (255, 255, 255))
     draw = ImageDraw.Draw(image)
@@ -168,12 +134,6 @@ def _bar_chart(rng: np.random.Generator, size: int) -> Drawn:
         draw.rectangle([x0, bottom - value * unit, x0 + 0.6 * width, bottom], fill=(50, 90, 200))
         draw.text((x0 + 0.15 * width, bottom + 0.01 * size), label, fill=(0, 0, 0), font=font)
     asked = int(rng.integers(0, 3))
-    return Drawn(image, values[asked], QUESTIONS["bar_chart"].format(label=labels[asked]), {"values": values})
-
-
-DRAW = {
-    "colour_code": _colour_code,
-    "count": _count,
-    "arithmetic": _arithmetic,
-    "bar_chart": _bar_chart,
-}
+    return _numeric(
+        image, values[asked], QUESTIONS["bar_chart"].format(label=labels[asked]), {"values": values}
+    )

@@ -67,7 +67,8 @@ class DataConfig:
     task: str = "vision_reasoning"
     """Built-in procedural task generating the data when no files are given."""
     kinds: list[str] = field(default_factory=lambda: ["colour_code"])
-    """Question kinds of the built-in task (see `mmrl.datasets.vision_reasoning.KINDS`)."""
+    """Procedural kinds to draw (`vision_reasoning`: colour_code, count, arithmetic, bar_chart;
+    `perception`: detection, grounding, ocr, counting)."""
     num_train: int = 4096
     """Procedural training samples (cycled through in shuffled epochs)."""
     num_heldout: int = 512
@@ -104,7 +105,16 @@ class RewardConfig:
     """Verifier worker processes; a call past the time limit has its worker killed (hard limit).
     0 scores in the trainer's process, where the limit cannot interrupt C code."""
     time_limit_s: float = 5.0
-    """Per-call verifier time limit in seconds; a time-out scores 0 and is counted and logged."""
+    """Per-call verifier time limit in seconds; a time-out is an error (see `on_error`)."""
+    on_error: str = "zero"
+    """A verifier error or time-out is always counted and logged with the sample id; then
+    `zero`: the response scores 0 and stays in its group; `drop`: it is left out of its group's
+    advantage statistics and of the loss."""
+    overlap: bool = True
+    """Score each response as soon as it is generated, overlapping generation (needs workers)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules to import (here and in every verifier worker) that register extra
+    verifiers with `@register_verifier`."""
 
 
 @dataclass
@@ -203,6 +213,7 @@ class Config:
             (self.rollout.temperature > 0, "rollout.temperature must be > 0"),
             (self.reward.num_workers >= 0, "reward.num_workers must be >= 0"),
             (self.reward.time_limit_s > 0, "reward.time_limit_s must be > 0"),
+            (self.reward.on_error in ("zero", "drop"), "reward.on_error must be zero or drop"),
             (self.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
             (self.trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
             (

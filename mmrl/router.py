@@ -15,6 +15,7 @@ scores 0 and stays in the batch (its group's advantages are computed as usual).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import multiprocessing
 import time
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmrl.types import Sample, VerifierResult, VerifyContext
-from mmrl.verifiers.registry import get_verifier
+from mmrl.verifiers.registry import get_verifier, warm_up_verifiers
 
 log = logging.getLogger(__name__)
 
@@ -58,19 +59,33 @@ def _score_one(sample: Sample, response: str, context: VerifyContext, time_limit
 
 
 class PendingRewards:
-    """Futures for a submitted batch; `result()` gathers them in row order."""
+    """Rewards of one batch being computed: responses are added as they finish (possibly while
+    others are still being generated); `result()` gathers them in row order."""
 
-    def __init__(self, samples: list[Sample], futures: list[Future | VerifierResult], time_limit_s: float):
-        self.samples = samples
-        self.futures = futures
-        self.time_limit_s = time_limit_s
+    def __init__(self, router: Router, context: VerifyContext, n_rows: int):
+        self.router = router
+        self.context = context
+        self._futures: list[Future | VerifierResult | None] = [None] * n_rows
+        self._texts: list[str | None] = [None] * n_rows
 
-    def result(self) -> RewardBatch:
+    def add(self, row: int, sample: Sample, text: str) -> None:
+        """Start scoring `text` as the response of row `row`."""
+        self._futures[row] = self.router._start(sample, text, self.context)
+        self._texts[row] = text
+
+    def result(self, samples: list[Sample], texts: list[str]) -> RewardBatch:
+        """Wait for every row. Rows never added, or added with a different text than the final
+        one, are scored now: the result always matches `texts`."""
+        if len(samples) != len(texts) or len(texts) != len(self._futures):
+            raise ValueError(f"{len(samples)} samples, {len(texts)} responses, {len(self._futures)} rows")
+        for row, (sample, text) in enumerate(zip(samples, texts)):
+            if self._texts[row] != text:
+                self.add(row, sample, text)
         results: list[VerifierResult] = []
         errors: Counter = Counter()
         timeouts: Counter = Counter()
-        for sample, fut in zip(self.samples, self.futures):
-            result = _resolve(fut, self.time_limit_s)
+        for sample, fut in zip(samples, self._futures):
+            result = _resolve(fut, self.router.time_limit_s)
             key = f"{sample.reward_model.verifier}/{sample.data_source}"
             if result.error is not None:
                 errors[key] += 1
@@ -98,46 +113,71 @@ def _resolve(fut: Future | VerifierResult, time_limit_s: float) -> VerifierResul
         return VerifierResult(score=0.0, error=f"{type(exc).__name__}: {exc}")
 
 
+def import_plugins(modules: list[str] | tuple[str, ...]) -> None:
+    """Import modules that register extra verifiers (in this process and in each worker)."""
+    for name in modules:
+        importlib.import_module(name)
+
+
+def _init_worker(plugins: tuple[str, ...]) -> None:
+    """Runs once in every (re)started worker, before its first task and outside time limits."""
+    import_plugins(plugins)
+    warm_up_verifiers()
+
+
 class Router:
     """Dispatches each response to its sample's verifier.
 
     Args:
         num_workers: worker processes (0: score in this process, no hard time limit).
         time_limit_s: per-call limit; past it (+ `KILL_GRACE_S`) the worker is killed.
+        plugins: modules to import first (here and in every worker) that register verifiers.
     """
 
-    def __init__(self, num_workers: int = 1, time_limit_s: float = 5.0):
+    def __init__(
+        self, num_workers: int = 1, time_limit_s: float = 5.0, plugins: list[str] | tuple[str, ...] = ()
+    ):
         self.num_workers = num_workers
         self.time_limit_s = time_limit_s
+        import_plugins(plugins)
         self._pool = None
+        if num_workers == 0:
+            warm_up_verifiers()
         if num_workers > 0:
             import pebble
 
             self._pool = pebble.ProcessPool(
-                max_workers=num_workers, context=multiprocessing.get_context("spawn")
+                max_workers=num_workers,
+                context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(tuple(plugins),),
             )
+
+    def start(self, context: VerifyContext, n_rows: int) -> PendingRewards:
+        """An empty pending batch; add responses with `.add(row, sample, text)` as they finish."""
+        return PendingRewards(self, context, n_rows)
 
     def submit(self, samples: list[Sample], texts: list[str], context: VerifyContext) -> PendingRewards:
-        """Start scoring; returns at once (worker mode) so generation can go on meanwhile."""
+        """Start scoring a whole batch; returns at once in worker mode."""
         if len(samples) != len(texts):
             raise ValueError(f"{len(samples)} samples but {len(texts)} responses")
-        futures: list[Future | VerifierResult] = []
-        for sample, text in zip(samples, texts):
-            if self._pool is None:
-                futures.append(_score_one(sample, text, context, self.time_limit_s))
-                continue
-            light = dataclasses.replace(sample, images=[])  # verifiers never need the pixels
-            futures.append(
-                self._pool.schedule(
-                    _score_one,
-                    args=(light, text, context, self.time_limit_s),
-                    timeout=self.time_limit_s + KILL_GRACE_S,
-                )
-            )
-        return PendingRewards(samples, futures, self.time_limit_s)
+        pending = self.start(context, len(samples))
+        for row, (sample, text) in enumerate(zip(samples, texts)):
+            pending.add(row, sample, text)
+        return pending
 
     def score(self, samples: list[Sample], texts: list[str], context: VerifyContext) -> RewardBatch:
-        return self.submit(samples, texts, context).result()
+        return self.submit(samples, texts, context).result(samples, texts)
+
+    def _start(self, sample: Sample, text: str, context: VerifyContext) -> Future | VerifierResult:
+        if self._pool is None:
+            return _score_one(sample, text, context, self.time_limit_s)
+        light = dataclasses.replace(sample, images=[])  # verifiers never need the pixels
+        return self._pool.schedule(
+            _score_one,
+            args=(light, text, context, self.time_limit_s),
+            timeout=self.time_limit_s + KILL_GRACE_S,
+        )
 
     def warm_up(self) -> float:
         """Start the workers (imports take seconds) before the first timed step; returns seconds."""

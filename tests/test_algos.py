@@ -118,3 +118,14 @@ def test_masked_mean_ignores_padding_and_survives_an_empty_mask():
     v = torch.tensor([[2.0, 100.0]])
     assert masked_mean(v, torch.tensor([[1.0, 0.0]])).item() == 2.0
     assert masked_mean(v, torch.zeros(1, 2)).item() == 0.0
+
+
+def test_dropped_responses_leave_their_group_statistics():
+    # Group [1, 0, 0, X] with X dropped is the group [1, 0, 0]: mean 1/3, std sqrt(1/3).
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    valid = torch.tensor([True, True, True, False])
+    adv = group_advantages(rewards, 4, eps=0.0, valid=valid)
+    s = math.sqrt(1 / 3)
+    torch.testing.assert_close(adv, torch.tensor([(2 / 3) / s, (-1 / 3) / s, (-1 / 3) / s, 0.0]))
+    # A group left with one valid response has no baseline.
+    assert group_advantages(rewards, 4, valid=torch.tensor([True, False, False, False])).tolist() == [0.0] * 4

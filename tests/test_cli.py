@@ -88,8 +88,8 @@ def test_model_flag_trains_any_local_hf_vlm_through_the_same_path(tmp_path):
 
 
 def test_bad_record_stops_the_run_before_training_with_file_line_id_and_field(tmp_path):
+    from mmrl.datasets.procedural import make_samples
     from mmrl.datasets.readers import write_jsonl
-    from mmrl.datasets.vision_reasoning import make_samples
 
     path = tmp_path / "train.jsonl"
     write_jsonl(make_samples(["colour_code"], 3, "train"), path)

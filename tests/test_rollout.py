@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mmrl.config import load_config
-from mmrl.datasets.vision_reasoning import make_samples
+from mmrl.datasets.procedural import make_samples
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, response_mask_from_stops
 from mmrl.train.batching import select_rows
 from mmrl.train.forward import response_logprobs

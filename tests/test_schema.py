@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from mmrl.datasets import SampleError, read_samples
+from mmrl.datasets.procedural import make_samples
 from mmrl.datasets.readers import write_jsonl, write_parquet
-from mmrl.datasets.vision_reasoning import make_samples
 
 
 def _png(colour=(255, 0, 0)) -> bytes:

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from mmrl.config import load_config
-from mmrl.datasets.vision_reasoning import make_samples
+from mmrl.datasets.procedural import make_samples
 from mmrl.models.loading import load_policy
 from mmrl.rollout.hf import HFRolloutEngine
 from mmrl.router import Router

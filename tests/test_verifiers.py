@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mmrl.datasets.vision_reasoning import make_samples
+from mmrl.datasets.procedural import make_samples
 from mmrl.router import Router
 from mmrl.types import RewardSpec, Sample, VerifyContext
 from mmrl.verifiers import get_verifier
@@ -117,3 +117,36 @@ def test_router_in_process_mode_gives_the_same_results_as_workers():
         a = inproc.score(samples, texts, VerifyContext())
         b = pooled.score(samples, texts, VerifyContext())
     assert a.scores.tolist() == b.scores.tolist() == [float(i % 2) for i in range(8)]
+
+
+def test_responses_added_while_generating_are_scored_in_row_order(tiny_policy):
+    """The engine reports each row the moment it finishes; the router scores it meanwhile, and
+    the gathered rewards equal scoring the final texts after generation."""
+    from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
+
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    samples = make_samples(["colour_code", "count"], 4, "train")
+    rows = [s for s in samples for _ in range(3)]
+    with Router(num_workers=1) as router:
+        pending = router.start(VerifyContext(), len(rows))
+        finished_order = []
+
+        def on_response(row, text):
+            finished_order.append(row)
+            pending.add(row, rows[row], text)
+
+        batch = engine.generate(samples, SamplingParams(n=3, max_new_tokens=12), on_response=on_response)
+        streamed = pending.result(batch.samples, batch.texts)
+        after = router.score(batch.samples, batch.texts, VerifyContext())
+    assert sorted(finished_order) == list(range(len(rows)))  # every row reported exactly once
+    assert pending._texts == batch.texts  # the streamed texts are the final texts
+    assert streamed.scores.tolist() == after.scores.tolist()
+
+
+def test_a_row_added_with_a_stale_text_is_rescored_with_the_final_text():
+    samples = [_sample("3"), _sample("3")]
+    with Router(num_workers=0) as router:
+        pending = router.start(VerifyContext(), 2)
+        pending.add(0, samples[0], "\\boxed{4}")  # e.g. a partial text
+        batch = pending.result(samples, ["\\boxed{3}", "\\boxed{3}"])
+    assert batch.scores.tolist() == [1.0, 1.0]

@@ -6,7 +6,8 @@ from collections import defaultdict
 
 import pytest
 
-from mmrl.datasets.vision_reasoning import KINDS, image_digest, make_samples
+from mmrl.datasets.procedural import image_digest, make_samples
+from mmrl.datasets.vision_reasoning import KINDS
 from mmrl.verifiers import get_verifier
 
 

@@ -9,13 +9,10 @@ A sample picks one with `verifier_params.format`: `"answer"` (default) or `"thin
 
 from __future__ import annotations
 
-import re
-
 from mmrl.types import Sample
 
 THINK_ANSWER_TAGS = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
 FORMATS = ("answer", "think_answer")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def think_answer_format(text: str) -> float:
@@ -24,9 +21,15 @@ def think_answer_format(text: str) -> float:
 
 
 def answer_tag_content(text: str) -> str | None:
-    """Body of the last `<answer>...</answer>`, stripped; None when there is none."""
-    found = _ANSWER_TAG.findall(text)
-    return found[-1].strip() if found else None
+    """Body of the last `<answer>...</answer>`, stripped; None when there is none.
+
+    Two `rfind`s, not a regex: a lazy `<answer>(.*?)</answer>` is quadratic on a response
+    full of unclosed `<answer>` tags."""
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start < 0:
+        return None
+    return text[start + len("<answer>") : end].strip()
 
 
 def format_score(text: str, sample: Sample, answer_found: bool) -> float:

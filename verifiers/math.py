@@ -73,6 +73,11 @@ class MathVerifier(Verifier):
         if not _parse(text):
             raise SampleFieldError(field, f"math-verify cannot parse {text!r}")
 
+    def warm_up(self) -> None:
+        from math_verify import verify
+
+        verify(_parse("\\frac{1}{2}"), _parse("0.5"), timeout_seconds=None)
+
     def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
         from math_verify import verify
 

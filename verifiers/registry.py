@@ -46,6 +46,10 @@ class Verifier:
     def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
         raise NotImplementedError
 
+    def warm_up(self) -> None:
+        """Import heavy dependencies and build caches before the first timed call (a fresh
+        worker process must not spend its first call's time limit importing SymPy)."""
+
     def __call__(
         self,
         response: str,
@@ -86,6 +90,14 @@ def get_verifier(name: str) -> Verifier:
     import mmrl.verifiers  # noqa: F401 - make sure the built-in verifiers are registered
 
     return _REGISTRY[name]
+
+
+def warm_up_verifiers() -> None:
+    """`warm_up()` every registered verifier."""
+    import mmrl.verifiers  # noqa: F401
+
+    for verifier in _REGISTRY.values():
+        verifier.warm_up()
 
 
 def verifier_names() -> list[str]:

@@ -28,23 +28,29 @@ def get_advantage_estimator(name: str) -> AdvantageFn:
 
 
 @register_advantage("grpo")
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean(group)) / (std(group) + eps).
 
     Args:
         rewards: [B x G] one scalar reward per response.
         group_size: G.
         eps: keeps all-equal groups finite (their advantages are exactly 0).
+        valid: [B x G] bool; responses marked False are left out of their group's mean and
+            std and get advantage 0 (a dropped verifier error).
 
     Returns:
-        [B x G] advantages. The std is the unbiased sample std, as in TRL and veRL; a group of
-        one response has no baseline and gets advantage 0.
+        [B x G] advantages. The std is the unbiased sample std, as in TRL and veRL; a group with
+        fewer than two valid responses has no baseline and gets advantage 0.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     grouped = rewards.float().view(-1, group_size)
-    mean = grouped.mean(dim=1, keepdim=True)
-    if group_size == 1:
-        return torch.zeros_like(rewards, dtype=torch.float32)
-    std = grouped.std(dim=1, keepdim=True)
-    return ((grouped - mean) / (std + eps)).view(-1)
+    mask = torch.ones_like(grouped) if valid is None else valid.float().view(-1, group_size)
+    n = mask.sum(dim=1, keepdim=True)
+    mean = (grouped * mask).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    var = (((grouped - mean) * mask) ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+    adv = (grouped - mean) / (var.sqrt() + eps) * mask
+    adv = torch.where(n >= 2, adv, torch.zeros_like(adv))
+    return adv.view(-1)

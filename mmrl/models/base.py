@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from mmrl.config import Config
-from mmrl.datasets.vision_reasoning import make_samples
+from mmrl.datasets.procedural import make_samples, reference_response
 from mmrl.models.loading import Policy, make_policy
 from mmrl.models.tiny import build_processor, build_tiny_vlm
 from mmrl.rollout.hf import HFRolloutEngine, encode_prompts
@@ -111,7 +111,7 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
     torch.manual_seed(wcfg.seed)
     spec = cfg.model.tiny
     policy = make_policy(build_tiny_vlm(spec, seed=wcfg.seed), build_processor(spec))
-    data_kw = dict(kinds=cfg.data.kinds, seed=cfg.data.seed, image_size=cfg.data.image_size)
+    data_kw = dict(kinds_=cfg.data.kinds, seed=cfg.data.seed, image_size=cfg.data.image_size)
     train = make_samples(n=cfg.data.num_train, split="train", **data_kw)
     validation = make_samples(n=wcfg.eval_size, split="validation", **data_kw)
     engine = HFRolloutEngine.from_policy(policy)
@@ -122,13 +122,13 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
     cursor, streak, history = 0, 0, []
     start = time.monotonic()
     step = 0
-    router = Router(cfg.reward.num_workers, cfg.reward.time_limit_s)
+    router = Router(cfg.reward.num_workers, cfg.reward.time_limit_s, cfg.reward.plugins)
     for step in range(1, wcfg.max_steps + 1):
         if cursor + wcfg.batch_size > len(order):
             order, cursor = rng.permutation(len(train)), 0
         batch_samples = [train[i] for i in order[cursor : cursor + wcfg.batch_size]]
         cursor += wcfg.batch_size
-        targets = [f"\\boxed{{{s.reward_model.ground_truth}}}" for s in batch_samples]
+        targets = [reference_response(s) for s in batch_samples]
         batch = teacher_forced_batch(policy, batch_samples, targets)
         model.train()
         logprobs, _ = response_logprobs(model, batch, policy.blocked, temperature=1.0)

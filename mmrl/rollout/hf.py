@@ -6,10 +6,12 @@ so that engines that hold their own copy (vLLM) fit the same interface.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, ProcessorMixin
+from transformers.generation.streamers import BaseStreamer
 
 from mmrl.algos.logprobs import masked_logits, token_logprobs
 from mmrl.models.loading import Policy
@@ -82,18 +84,34 @@ class HFRolloutEngine:
         pass
 
     @torch.no_grad()
-    def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
-        """G = params.n responses per sample; rows are prompt-major ([B x G])."""
+    def generate(
+        self,
+        samples: list[Sample],
+        params: SamplingParams,
+        on_response: Callable[[int, str], None] | None = None,
+    ) -> RolloutBatch:
+        """G = params.n responses per sample; rows are prompt-major ([B x G]).
+
+        `on_response(row, text)` is called for each response the moment it is finished (its
+        stop token sampled, or at the end for truncated ones), while the other rows are still
+        being generated: the trainer starts scoring it right away.
+        """
         rows = [s for s in samples for _ in range(params.n)]
-        chunks = [
-            self._generate_rows(rows[i : i + self.max_batch_rows], params)
-            for i in range(0, len(rows), self.max_batch_rows)
-        ]
+        chunks = []
+        for start in range(0, len(rows), self.max_batch_rows):
+            streamer = None
+            if on_response is not None:
+                streamer = _FinishedRows(
+                    self.processor.tokenizer, self.stop_token_ids, lambda i, t, o=start: on_response(o + i, t)
+                )
+            chunks.append(self._generate_rows(rows[start : start + self.max_batch_rows], params, streamer))
         batch = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks, self.pad_token_id)
         batch.group_size = params.n
         return batch
 
-    def _generate_rows(self, rows: list[Sample], params: SamplingParams) -> RolloutBatch:
+    def _generate_rows(
+        self, rows: list[Sample], params: SamplingParams, streamer: BaseStreamer | None = None
+    ) -> RolloutBatch:
         inputs = encode_prompts(self.processor, rows)
         was_training = self.model.training
         self.model.eval()
@@ -110,6 +128,7 @@ class HFRolloutEngine:
                 pad_token_id=self.pad_token_id,
                 output_logits=not params.greedy,
                 return_dict_in_generate=True,
+                streamer=streamer,
             )
         finally:
             self.model.train(was_training)
@@ -139,6 +158,43 @@ class HFRolloutEngine:
             truncated=truncated,
             images_per_row=[len(s.images) for s in rows],
         )
+
+
+class _FinishedRows(BaseStreamer):
+    """Receives each decoding step's tokens from `generate` and reports every row as soon as it
+    samples a stop token (and the rest at the end, truncated)."""
+
+    def __init__(self, tokenizer, stop_token_ids: list[int], on_finished: Callable[[int, str], None]):
+        self.tokenizer = tokenizer
+        self.stop = set(stop_token_ids)
+        self.on_finished = on_finished
+        self.tokens: list[list[int]] | None = None
+        self.done: list[bool] = []
+        self.seen_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.seen_prompt:  # generate first streams the prompt ids
+            self.seen_prompt = True
+            return
+        step = value.view(-1).tolist()
+        if self.tokens is None:
+            self.tokens = [[] for _ in step]
+            self.done = [False] * len(step)
+        for i, token in enumerate(step):
+            if self.done[i]:
+                continue
+            self.tokens[i].append(token)
+            if token in self.stop:
+                self._finish(i)
+
+    def end(self) -> None:
+        for i in range(len(self.done)):
+            if not self.done[i]:
+                self._finish(i)
+
+    def _finish(self, i: int) -> None:
+        self.done[i] = True
+        self.on_finished(i, self.tokenizer.decode(self.tokens[i], skip_special_tokens=True))
 
 
 def encode_prompts(processor: ProcessorMixin, rows: list[Sample]) -> dict[str, torch.Tensor]:

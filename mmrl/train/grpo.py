@@ -30,18 +30,19 @@ from mmrl.algos.advantages import get_advantage_estimator
 from mmrl.algos.kl import kl_estimate
 from mmrl.algos.losses import clipped_policy_loss, masked_mean
 from mmrl.config import Config
+from mmrl.datasets.procedural import make_samples
 from mmrl.datasets.readers import read_samples
-from mmrl.datasets.vision_reasoning import make_samples
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
-from mmrl.router import RewardBatch, Router
+from mmrl.router import Router, import_plugins
 from mmrl.train.batching import select_rows
 from mmrl.train.evaluation import evaluate
 from mmrl.train.forward import response_logprobs
 from mmrl.train.metrics_log import MetricsLogger
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.rundir import create_run_dir
+from mmrl.train.step_metrics import step_metrics
 from mmrl.types import RolloutBatch, Sample, VerifyContext
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def make_trainee(cfg: Config, policy: Policy) -> Trainee:
         policy=policy,
         reference=reference,
         engine=HFRolloutEngine.from_policy(policy, max_batch_rows=cfg.rollout.max_batch_rows),
-        router=Router(cfg.reward.num_workers, cfg.reward.time_limit_s),
+        router=Router(cfg.reward.num_workers, cfg.reward.time_limit_s, cfg.reward.plugins),
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
     )
@@ -163,17 +164,28 @@ def grpo_step(cfg: Config, t: Trainee, samples: list[Sample], context: VerifyCon
     """One GRPO step on B prompts; returns its metrics."""
     G = cfg.rollout.group_size
     t0 = time.monotonic()
-    # a. Rollout: B x G responses with their log-probs.
+    # a. Rollout: B x G responses with their log-probs. With `reward.overlap`, each response
+    #    goes to the router the moment it is finished, so scoring overlaps generation.
     params = SamplingParams(
         n=G, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens
     )
-    batch = t.engine.generate(samples, params)
+    rows = [s for s in samples for _ in range(G)]
+    pending = t.router.start(context, len(rows))
+    on_response = (lambda r, text: pending.add(r, rows[r], text)) if overlap_rewards(cfg) else None
+    batch = t.engine.generate(samples, params, on_response=on_response)
     t1 = time.monotonic()
-    # b. Rewards from each sample's own verifier.
-    rewards = t.router.score(batch.samples, batch.texts, context)
+    # b. Rewards from each sample's own verifier (waits only for what is still running).
+    rewards = pending.result(batch.samples, batch.texts)
     t2 = time.monotonic()
-    # c. Advantages within each prompt's group.
-    advantages = get_advantage_estimator(cfg.algo.advantage)(rewards.scores, G, eps=cfg.algo.adv_eps)
+    # c. Advantages within each prompt's group; with `reward.on_error=drop` a response whose
+    #    verifier failed is left out of its group's statistics and of the loss.
+    valid = torch.tensor([r.error is None for r in rewards.results])
+    estimator = get_advantage_estimator(cfg.algo.advantage)
+    if cfg.reward.on_error == "drop" and not valid.all():
+        batch.response_mask = batch.response_mask * valid.unsqueeze(1).long()
+        advantages = estimator(rewards.scores, G, eps=cfg.algo.adv_eps, valid=valid)
+    else:
+        advantages = estimator(rewards.scores, G, eps=cfg.algo.adv_eps)
     # d. Log-probs of the sampling policy ("old") and of the reference.
     old_logprobs, ref_logprobs = old_and_ref_logprobs(cfg, t.policy, t.reference, batch)
     # e. Policy update over mini-batches, then the learning-rate schedule.
@@ -183,6 +195,7 @@ def grpo_step(cfg: Config, t: Trainee, samples: list[Sample], context: VerifyCon
     t3 = time.monotonic()
 
     metrics.update(step_metrics(batch, rewards, advantages, G))
+    metrics["verifier/dropped"] = float((~valid).sum()) if cfg.reward.on_error == "drop" else 0.0
     if cfg.algo.old_logprobs == "recompute":
         diff = (old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
         metrics["rollout/trainer_logprob_diff_max"] = float(diff.max())
@@ -200,12 +213,16 @@ def grpo_step(cfg: Config, t: Trainee, samples: list[Sample], context: VerifyCon
     return metrics
 
 
+def overlap_rewards(cfg: Config) -> bool:
+    """Score responses while generation goes on (needs verifier worker processes)."""
+    return cfg.reward.overlap and cfg.reward.num_workers > 0
+
+
 def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
     """Training and held-out samples: from files when given, else the procedural task."""
+    import_plugins(cfg.reward.plugins)  # verifier names are checked while loading
     d = cfg.data
-    if d.task != "vision_reasoning" and not d.train_files:
-        raise ValueError(f"no data for task {d.task!r}: set data.train_files")
-    kw = dict(kinds=d.kinds, seed=d.seed, image_size=d.image_size)
+    kw = dict(kinds_=d.kinds, seed=d.seed, image_size=d.image_size)
     if d.train_files:
         train = [s for f in d.train_files for s in read_samples(f)]
     else:
@@ -369,43 +386,6 @@ def update_policy(
     metrics["actor/grad_norm"] = sum(sums["actor/grad_norm"]) / len(sums["actor/grad_norm"])
     metrics.update(extremes)
     metrics["actor/skipped_steps"] = float(skipped)
-    return metrics
-
-
-def step_metrics(
-    batch: RolloutBatch, rewards: RewardBatch, advantages: torch.Tensor, G: int
-) -> dict[str, float]:
-    """Reward, response-length and advantage statistics, overall and per data source."""
-    lengths = batch.response_mask.sum(dim=1).float()
-    scores = rewards.scores
-    grouped = scores.view(-1, G)
-    metrics = {
-        "reward/mean": float(scores.mean()),
-        "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
-        "reward/zero_variance_groups": float((grouped.max(1).values == grouped.min(1).values).float().mean()),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/clip_ratio": float(batch.truncated.float().mean()),
-        "adv/mean": float(advantages.mean()),
-        "adv/std": float(advantages.std()) if len(advantages) > 1 else 0.0,
-        "adv/abs_max": float(advantages.abs().max()),
-        "verifier/errors": float(sum(rewards.errors.values())),
-        "verifier/timeouts": float(sum(rewards.timeouts.values())),
-    }
-    components: dict[str, list[float]] = defaultdict(list)
-    by_source: dict[str, list[int]] = defaultdict(list)
-    for i, (sample, result) in enumerate(zip(batch.samples, rewards.results)):
-        by_source[sample.data_source].append(i)
-        for name, value in result.components.items():
-            components[name].append(value)
-    for name, values in components.items():
-        metrics[f"reward/{name}"] = sum(values) / len(values)
-    if len(by_source) > 1:
-        for source, rows in sorted(by_source.items()):
-            metrics[f"reward/mean/{source}"] = float(scores[rows].mean())
-            metrics[f"response/length_mean/{source}"] = float(lengths[rows].mean())
-    for key, count in rewards.errors.items():
-        metrics[f"verifier/errors/{key}"] = float(count)
     return metrics
 
 

@@ -1,0 +1,111 @@
+"""Asynchronous reward routing vs scoring after generation, side by side.
+
+    python benchmarks/async_rewards.py [--steps N] [--kind sleep|cpu] [--workers W]
+
+The default recipe's GRPO step on the built-in task, with a verifier made as costly as
+generation (`benchmarks/slow_verifier.py`): the cost per response is set so that scoring a
+step's responses one after another takes about as long as generating them. Three runs from the
+same weights and seed: with a free verifier (generation + update alone), with rewards computed
+after generation (`reward.overlap=false`) and with each response scored the moment it is
+generated (`reward.overlap=true`). The goal: the asynchronous step within 1.15x of generation
++ update alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # slow_verifier, also in workers
+
+from mmrl.config import load_config  # noqa: E402
+from mmrl.models.base import builtin_base  # noqa: E402
+from mmrl.models.loading import load_policy  # noqa: E402
+from mmrl.train.grpo import PromptSampler, grpo_step, load_data, make_trainee, seed_everything  # noqa: E402
+from mmrl.types import VerifyContext  # noqa: E402
+
+
+def run(cfg, policy, state, samples, steps: int) -> dict[str, float]:
+    policy.model.load_state_dict(state)
+    seed_everything(cfg.trainer.seed)
+    t = make_trainee(cfg, policy)
+    t.router.warm_up()
+    sampler = PromptSampler(samples, cfg.trainer.seed)
+    rows = []
+    try:
+        for step in range(steps + 1):
+            m = grpo_step(cfg, t, sampler.next(cfg.trainer.prompts_per_step), VerifyContext(step, steps + 1))
+            if step:  # the first step is an untimed warm-up
+                rows.append(m)
+    finally:
+        t.router.close()
+    return {
+        k: statistics.median(r[k] for r in rows)
+        for k in ("time/step_s", "time/rollout_s", "time/reward_s", "time/update_s")
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--kind", choices=["sleep", "cpu"], default="sleep")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    base = [f"reward.num_workers={args.workers}", "reward.plugins=[slow_verifier]"]
+    cfg = load_config("vision_reasoning", overrides=base)
+    samples, _ = load_data(cfg)
+    policy = load_policy(builtin_base(cfg))
+    state = copy.deepcopy(policy.model.state_dict())
+
+    def with_cost(cost_ms: float):
+        out = []
+        for s in samples:
+            s = copy.copy(s)
+            s.reward_model = copy.copy(s.reward_model)
+            s.reward_model.verifier = "slow_math"
+            s.reward_model.verifier_params = {"cost_ms": cost_ms, "cost_kind": args.kind}
+            out.append(s)
+        return out
+
+    free = run(cfg, policy, state, with_cost(0.0), args.steps)
+    n_rows = cfg.trainer.prompts_per_step * cfg.rollout.group_size
+    cost_ms = 1000 * free["time/rollout_s"] / n_rows * args.workers  # pool time ~ generation time
+    costly = with_cost(cost_ms)
+    sync = run(
+        load_config("vision_reasoning", overrides=[*base, "reward.overlap=false"]),
+        policy,
+        state,
+        costly,
+        args.steps,
+    )
+    overlap = run(
+        load_config("vision_reasoning", overrides=[*base, "reward.overlap=true"]),
+        policy,
+        state,
+        costly,
+        args.steps,
+    )
+
+    alone = free["time/rollout_s"] + free["time/update_s"]
+    print(
+        f"async reward routing: {args.steps} steps each, {n_rows} responses per step, {args.workers} verifier workers,"
+    )
+    print(
+        f"verifier cost {cost_ms:.1f} ms per response ({args.kind}); serial scoring of a step's responses = "
+        f"{cost_ms * n_rows / 1000:.2f} s vs generation {free['time/rollout_s']:.2f} s (medians)"
+    )
+    print(f"  generation + update alone    {alone:6.3f} s")
+    for name, r in (("rewards after generation", sync), ("rewards during generation", overlap)):
+        print(
+            f"  {name:<28} {r['time/step_s']:6.3f} s  (= {r['time/step_s'] / alone:4.2f}x; rollout {r['time/rollout_s']:.3f}, "
+            f"reward wait {r['time/reward_s']:.3f}, update {r['time/update_s']:.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
