@@ -26,10 +26,19 @@ examples:
 """
 
 
+CONVERT_EPILOG = """\
+examples:
+  mmrl convert coco annotations/instances_val2017.json val2017/ -o coco_det.parquet
+  mmrl convert coco annotations/instances_val2017.json val2017/ --task grounding -o coco_ground.jsonl
+  mmrl convert vtriune orsta_train.parquet -o orsta.parquet
+  mmrl convert easyr1 geometry3k_train.parquet -o geo3k.jsonl
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mmrl",
-        description="mmrl: RL post-training for multimodal models (GRPO on VLMs).",
+        description="mmrl: RL post-training for multimodal models (GRPO on VLMs, V-Triune-style verifiers).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -51,6 +60,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
+    p_convert = sub.add_parser(
+        "convert",
+        help="convert COCO / V-Triune / EasyR1-veRL data to mmrl samples",
+        description="Convert datasets to mmrl's sample format (every record validated).",
+        epilog=CONVERT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_convert.add_argument("kind", choices=["coco", "vtriune", "easyr1"], help="input format")
+    p_convert.add_argument("inputs", nargs="+", help="coco: ANNOTATIONS.json IMAGE_DIR; others: record files")
+    p_convert.add_argument("-o", "--output", required=True, help="output .jsonl or .parquet")
+    p_convert.add_argument(
+        "--task", choices=["detection", "grounding"], help="coco: one sample per image or per object"
+    )
+    p_convert.add_argument("--data-source", help="data_source of the converted samples")
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -62,7 +86,33 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "train":
         return _train(args)
+    if args.command == "convert":
+        return _convert(args)
     return 2
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from mmrl.datasets.converters import convert
+    from mmrl.datasets.schema import SampleError
+
+    options = {}
+    if args.task:
+        if args.kind != "coco":
+            print("mmrl convert: error: --task applies to coco only", file=sys.stderr)
+            return 2
+        options["task"] = args.task
+    if args.data_source:
+        if args.kind == "vtriune":
+            print("mmrl convert: error: V-Triune records carry their own data_source", file=sys.stderr)
+            return 2
+        options["data_source"] = args.data_source
+    try:
+        n = convert(args.kind, *args.inputs, output_path=args.output, **options)
+    except (SampleError, ValueError, FileNotFoundError) as exc:
+        print(f"mmrl convert: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {n} samples to {args.output}")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:

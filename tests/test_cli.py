@@ -110,3 +110,43 @@ def test_bad_record_stops_the_run_before_training_with_file_line_id_and_field(tm
         in out.stderr
     )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_convert_coco_to_samples_that_train_can_read(tmp_path):
+    from PIL import Image
+
+    from mmrl.datasets import read_samples
+
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (40, 30), "white").save(tmp_path / "img" / "a.png")
+    coco = {
+        "images": [{"id": 7, "file_name": "a.png", "width": 40, "height": 30}],
+        "categories": [{"id": 1, "name": "cat"}, {"id": 2, "name": "dog"}],
+        "annotations": [
+            {"id": 1, "image_id": 7, "category_id": 1, "bbox": [1, 2, 10, 5], "area": 50, "iscrowd": 0},
+            {"id": 2, "image_id": 7, "category_id": 2, "bbox": [20, 10, 5, 5], "area": 25, "iscrowd": 0},
+        ],
+    }
+    (tmp_path / "ann.json").write_text(json.dumps(coco))
+    out = mmrl(
+        "convert",
+        "coco",
+        str(tmp_path / "ann.json"),
+        str(tmp_path / "img"),
+        "-o",
+        str(tmp_path / "det.jsonl"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"wrote 1 samples to {tmp_path / 'det.jsonl'}"
+    (sample,) = read_samples(tmp_path / "det.jsonl")
+    assert sample.reward_model.verifier == "detection"
+    assert sorted(b["bbox_2d"] for b in sample.reward_model.ground_truth) == [[1, 2, 11, 7], [20, 10, 25, 15]]
+    bad = mmrl(
+        "convert",
+        "coco",
+        str(tmp_path / "ann.json"),
+        str(tmp_path / "nowhere"),
+        "-o",
+        str(tmp_path / "x.jsonl"),
+    )
+    assert bad.returncode == 2 and "a.png" in bad.stderr and not (tmp_path / "x.jsonl").exists()

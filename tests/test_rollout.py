@@ -79,3 +79,16 @@ def test_first_on_policy_mini_batch_has_ratio_exactly_one(tiny_policy):
     logprobs, _ = response_logprobs(tiny_policy.model, select_rows(batch, first), tiny_policy.blocked, 1.0)
     ratio = torch.exp(logprobs - old[first])
     assert torch.equal(ratio, torch.ones_like(ratio))
+
+
+def test_a_checkpoints_own_sampling_defaults_do_not_leak_into_rollouts(tiny_policy):
+    """Qwen2.5-VL-Instruct ships top_k=1 / top_p=0.001: rollouts must still sample the plain
+    tempered softmax, or the recorded log-probs would describe the wrong distribution."""
+    gc = tiny_policy.model.generation_config
+    gc.top_k, gc.top_p, gc.temperature = 1, 0.001, 0.1
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(_mixed_samples(1), SamplingParams(n=16, temperature=1.0, max_new_tokens=6))
+    assert len(set(batch.texts)) > 8  # top_k=1 would give one text
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
+    torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)

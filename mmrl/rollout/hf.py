@@ -120,8 +120,10 @@ class HFRolloutEngine:
                 **inputs,
                 do_sample=not params.greedy,
                 temperature=params.temperature if not params.greedy else None,
-                top_p=1.0,
-                top_k=0,
+                # None overrides a checkpoint's own sampling defaults (Qwen2.5-VL-Instruct ships
+                # top_k=1, top_p=0.001): the log-probs must be of the plain tempered softmax.
+                top_p=None,
+                top_k=None,
                 max_new_tokens=params.max_new_tokens,
                 logits_processor=LogitsProcessorList([_BlockTokens(self.blocked)]),
                 eos_token_id=self.stop_token_ids,
