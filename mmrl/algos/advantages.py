@@ -1,11 +1,30 @@
 """Advantage estimators: pure functions over per-response rewards, selected by name.
 
-Rows are prompt-major: rows i*G .. i*G+G-1 are the G responses to prompt i.
+Rows are prompt-major: rows i*G .. i*G+G-1 are the G responses to prompt i. Every estimator in
+`ADVANTAGE_ESTIMATORS` is called the same way,
+
+    fn(rewards, group_size, *, eps=1e-6, valid=None) -> [N]
+
+with `rewards` [N] (GDPO: [N, K], one column per reward component, plus `weights`). `valid`
+([N] bool) leaves rows out of every statistic and gives them advantage 0 (a dropped verifier
+error). No estimator ever returns NaN: a statistic over fewer than two valid rows, or over rows
+whose rewards are all equal, gives advantage 0 to the rows it would have normalised.
+
+| name | A_i |
+|---|---|
+| `grpo` | (r_i - mean_group) / (std_group + eps) |
+| `dr_grpo` | r_i - mean_group |
+| `rloo` | r_i - mean_{j != i in group} r_j |
+| `reinforce_pp` | (r_i - mean_batch) / (std_batch + eps) |
+| `reinforce_pp_baseline` | x_i = r_i - mean_group, then (x_i - mean_batch(x)) / (std_batch(x) + eps) |
+| `gdpo` | sum_k w_k grpo(r[:, k]), then batch-normalised as above |
+
+Every std is the unbiased sample std (Bessel), as in TRL and veRL.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,6 +46,57 @@ def get_advantage_estimator(name: str) -> AdvantageFn:
     return ADVANTAGE_ESTIMATORS[name]
 
 
+def _prepare(
+    rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None, *, components: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked float rewards ([N] or [N, K]) with invalid rows zeroed, and the [N] bool valid mask."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    want = "[N] or [N, K]" if components else "[N]"
+    if rewards.dim() not in ((1, 2) if components else (1,)):
+        raise ValueError(f"rewards must be {want}, got shape {list(rewards.shape)}")
+    n = rewards.shape[0]
+    if n % group_size:
+        raise ValueError(f"{n} rewards do not split into groups of {group_size}")
+    if valid is None:
+        v = torch.ones(n, dtype=torch.bool, device=rewards.device)
+    else:
+        if valid.shape != (n,):
+            raise ValueError(f"valid must be [N] = [{n}] like rewards, got shape {list(valid.shape)}")
+        v = valid.to(device=rewards.device, dtype=torch.bool)
+    r = rewards.float()
+    finite = torch.isfinite(r) if r.dim() == 1 else torch.isfinite(r).all(dim=-1)
+    bad = (~finite & v).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(f"non-finite reward at rows {bad[:10].tolist()} (mark them invalid to drop them)")
+    r = torch.where(v if r.dim() == 1 else v.unsqueeze(-1), r, torch.zeros_like(r))
+    return r, v
+
+
+def _standardise(
+    x: torch.Tensor, mask: torch.Tensor, eps: float, *, centre: bool = True, scale: bool = True
+) -> torch.Tensor:
+    """(x - mean) / (std + eps) along the last dim over `mask`ed entries; 0 elsewhere.
+
+    x, mask: [..., M] (mask bool). A slice with fewer than two masked entries, or whose masked
+    entries are all equal, is all 0 (no baseline / no signal; never 0/0).
+    """
+    if x.numel() == 0:
+        return torch.zeros_like(x)
+    n = mask.sum(dim=-1, keepdim=True).to(x.dtype)
+    xm = torch.where(mask, x, torch.zeros_like(x))
+    mean = xm.sum(dim=-1, keepdim=True) / n.clamp(min=1)
+    out = torch.where(mask, x - mean, torch.zeros_like(x)) if centre else xm
+    if scale:
+        var = torch.where(mask, x - mean, torch.zeros_like(x)).square().sum(dim=-1, keepdim=True)
+        std = (var / (n - 1).clamp(min=1)).sqrt()
+        out = out / (std + eps)
+    hi = torch.where(mask, x, torch.full_like(x, -torch.inf)).amax(dim=-1, keepdim=True)
+    lo = torch.where(mask, x, torch.full_like(x, torch.inf)).amin(dim=-1, keepdim=True)
+    degenerate = (n < 2) | (hi == lo)
+    return torch.where(mask & ~degenerate, out, torch.zeros_like(out))
+
+
 @register_advantage("grpo")
 def group_advantages(
     rewards: torch.Tensor, group_size: int, eps: float = 1e-6, valid: torch.Tensor | None = None
@@ -36,21 +106,155 @@ def group_advantages(
     Args:
         rewards: [B x G] one scalar reward per response.
         group_size: G.
-        eps: keeps all-equal groups finite (their advantages are exactly 0).
+        eps: added to the std (kept from the GRPO recipe; all-equal groups are exactly 0 anyway).
         valid: [B x G] bool; responses marked False are left out of their group's mean and
             std and get advantage 0 (a dropped verifier error).
 
     Returns:
         [B x G] advantages. The std is the unbiased sample std, as in TRL and veRL; a group with
-        fewer than two valid responses has no baseline and gets advantage 0.
+        fewer than two valid responses has no baseline and gets advantage 0, and so does a group
+        whose valid rewards are all equal.
     """
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.float().view(-1, group_size)
-    mask = torch.ones_like(grouped) if valid is None else valid.float().view(-1, group_size)
-    n = mask.sum(dim=1, keepdim=True)
-    mean = (grouped * mask).sum(dim=1, keepdim=True) / n.clamp(min=1)
-    var = (((grouped - mean) * mask) ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
-    adv = (grouped - mean) / (var.sqrt() + eps) * mask
-    adv = torch.where(n >= 2, adv, torch.zeros_like(adv))
-    return adv.view(-1)
+    r, v = _prepare(rewards, group_size, valid)
+    return _standardise(r.view(-1, group_size), v.view(-1, group_size), eps).view(-1)
+
+
+@register_advantage("dr_grpo")
+def dr_grpo_advantages(
+    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = r_i - mean(group).
+
+    Dropping GRPO's division by the group std removes its question-difficulty bias (groups that
+    are nearly all right or all wrong are no longer up-weighted). Pair it with the
+    `seq_mean_token_sum_norm` loss aggregation to also remove the length bias.
+
+    Args:
+        rewards: [B x G]; group_size: G; eps: unused (uniform signature); valid: [B x G] bool.
+
+    Returns:
+        [B x G]; 0 for invalid rows and for groups with fewer than two valid rows.
+    """
+    del eps
+    r, v = _prepare(rewards, group_size, valid)
+    return _standardise(r.view(-1, group_size), v.view(-1, group_size), 0.0, scale=False).view(-1)
+
+
+@register_advantage("rloo")
+def rloo_advantages(
+    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j.
+
+    The leave-one-out baseline over the n valid rows of the group equals
+    n / (n - 1) * (r_i - mean(group)), which is how it is computed.
+
+    Args:
+        rewards: [B x G]; group_size: G; eps: unused (uniform signature); valid: [B x G] bool.
+
+    Returns:
+        [B x G]; 0 for invalid rows and for groups with fewer than two valid rows (no baseline).
+    """
+    del eps
+    r, v = _prepare(rewards, group_size, valid)
+    grouped, mask = r.view(-1, group_size), v.view(-1, group_size)
+    n = mask.sum(dim=1, keepdim=True).float()
+    centred = _standardise(grouped, mask, 0.0, scale=False)
+    return (centred * n / (n - 1).clamp(min=1)).view(-1)
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262): A_i = (r_i - mean(batch)) / (std(batch) + eps).
+
+    Global batch normalisation over every valid response, no per-prompt baseline. The paper
+    whitens per-token returns; with an outcome reward and gamma = 1 every token of a response
+    carries r_i, and this is the response-level form (each response counts once, not once per
+    token).
+
+    Args:
+        rewards: [N]; group_size: G (only checked: N must be a multiple); eps: added to the std;
+        valid: [N] bool.
+
+    Returns:
+        [N]; all 0 if fewer than two rows are valid or all valid rewards are equal.
+    """
+    r, v = _prepare(rewards, group_size, valid)
+    return _standardise(r.view(1, -1), v.view(1, -1), eps).view(-1)
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(
+    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu 2025): x_i = r_i - mean(group), then A = (x - mean_b(x)) / (std_b(x) + eps).
+
+    The group mean removes the prompt's difficulty; the global normalisation (over every valid
+    row of the batch, as veRL's `masked_whiten`) sets the scale without GRPO's per-group std.
+
+    Args:
+        rewards: [B x G]; group_size: G; eps: added to the batch std; valid: [B x G] bool.
+
+    Returns:
+        [B x G]; rows of groups with fewer than two valid rows enter the batch statistics
+        with x = 0; all 0 if the centred rewards have zero spread.
+    """
+    r, v = _prepare(rewards, group_size, valid)
+    centred = _standardise(r.view(-1, group_size), v.view(-1, group_size), 0.0, scale=False)
+    return _standardise(centred.view(1, -1), v.view(1, -1), eps).view(-1)
+
+
+@register_advantage("gdpo")
+def gdpo_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+    weights: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """GDPO (Liu et al. 2026, arXiv 2601.05242): per-component group normalisation, weighted sum,
+    then batch normalisation.
+
+        A_i^k = (r_i^k - mean_group(r^k)) / (std_group(r^k) + eps)        for each component k
+        S_i   = sum_k w_k A_i^k
+        A_i   = (S_i - mean_batch(S)) / (std_batch(S) + eps)
+
+    Normalising each reward separately keeps distinct reward combinations distinct (GRPO on the
+    summed reward collapses e.g. (1, 0) and (0, 1) into the same advantage).
+
+    Args:
+        rewards: [N, K] reward components (an [N] tensor is one component).
+        group_size: G.
+        eps: added to every std.
+        valid: [N] bool, applied to all components.
+        weights: K weights (default all 1).
+
+    Returns:
+        [N]; a component that is constant within a group contributes 0 for that group.
+    """
+    r, v = _prepare(rewards, group_size, valid, components=True)
+    if r.dim() == 1:
+        r = r.unsqueeze(-1)
+    k = r.shape[1]
+    if weights is None:
+        w = torch.ones(k, device=r.device)
+    else:
+        if len(weights) != k:
+            raise ValueError(f"gdpo: {len(weights)} weights for {k} reward components")
+        w = torch.tensor([float(x) for x in weights], device=r.device)
+    per_group = r.view(-1, group_size, k).transpose(1, 2)  # [B, K, G]
+    mask = v.view(-1, 1, group_size).expand_as(per_group)
+    summed = (_standardise(per_group, mask, eps) * w.view(1, k, 1)).sum(dim=1)  # [B, G]
+    return _standardise(summed.view(1, -1), v.view(1, -1), eps).view(-1)
+
+
+def clip_advantages(advantages: torch.Tensor, max_abs: float | None) -> torch.Tensor:
+    """Clamp advantages to [-max_abs, max_abs] (any shape); None returns them unchanged."""
+    if max_abs is None:
+        return advantages
+    if not max_abs > 0:
+        raise ValueError(f"max_abs must be > 0 (or None for no clipping), got {max_abs}")
+    return advantages.clamp(min=-max_abs, max=max_abs)

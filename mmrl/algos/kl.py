@@ -4,11 +4,28 @@ With log-ratio x = log pi(a) - log pi_ref(a) for a ~ pi:
     k1 = x                      unbiased, can be negative
     k2 = x^2 / 2                biased, low variance
     k3 = (e^{-x} - 1) + x       unbiased and always >= 0
+
+Where the KL goes (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation
+for RL"; Zhang et al. 2025, "On the design of KL-regularized policy gradient algorithms"):
+
+- **In the reward** (`kl_penalized_rewards`; InstructGPT-style PPO, REINFORCE++): subtract
+  beta * sum_t kl_t from each response's reward before the advantage estimator. No gradient
+  flows through it; use k1, whose sum over a response is the sequence log-ratio, an unbiased
+  estimate of the sequence-level KL(pi || pi_ref).
+- **In the loss** (`kl_in_loss`; GRPO, DeepSeekMath): add beta * aggregate(kl_t) to the policy
+  loss and differentiate through log pi. There the estimator decides the gradient, on-policy:
+  k1 has zero expected gradient (useless), k2 gives the gradient of KL(pi || pi_ref), and k3
+  (GRPO's choice, non-negative and low-variance) gives the gradient of the forward
+  KL(pi_ref || pi); both regularise towards the reference.
 """
 
 from __future__ import annotations
 
 import torch
+
+from mmrl.algos.losses import aggregate
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -22,3 +39,60 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
         # Clamp the exponent so a wildly off token cannot overflow to inf.
         return torch.expm1(-log_ratio.clamp(min=-20.0, max=20.0)) + log_ratio
     raise ValueError(f"unknown KL estimator {estimator!r}: choose from k1, k2, k3")
+
+
+def kl_penalized_rewards(
+    rewards: torch.Tensor, kl_per_token: torch.Tensor, mask: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """The KL in the reward: r_i - beta * sum_t m_t kl_t.
+
+    Args:
+        rewards: [N] one scalar reward per response.
+        kl_per_token: [N, R] per-token KL estimates (`kl_estimate(logprobs, ref_logprobs, "k1")`);
+            detached here, no gradient flows through a reward.
+        mask: [N, R] 1 on response tokens; masked-out entries are ignored (even NaN/inf).
+        beta: the KL coefficient (>= 0).
+
+    Returns:
+        [N] penalised rewards, to feed to an advantage estimator. A fully masked row keeps its
+        reward.
+    """
+    if kl_per_token.dim() != 2 or kl_per_token.shape != mask.shape:
+        raise ValueError(
+            f"kl_per_token {list(kl_per_token.shape)} and mask {list(mask.shape)} must both be [N, R]"
+        )
+    if rewards.shape != kl_per_token.shape[:1]:
+        raise ValueError(f"rewards must be [N] = [{kl_per_token.shape[0]}], got shape {list(rewards.shape)}")
+    if not beta >= 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    kl = kl_per_token.detach().float()
+    kl_sum = torch.where(mask > 0, kl, torch.zeros_like(kl)).sum(dim=-1)
+    return rewards.float() - beta * kl_sum
+
+
+def kl_in_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    estimator: str = "k3",
+    agg: str = "token_mean",
+    denom: float | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """The KL in the loss: aggregate(kl_estimate(logprobs, ref_logprobs), mask) as a scalar.
+
+    Aggregated exactly like the policy loss (same `agg`, `denom`, `max_len`, see
+    `mmrl.algos.losses.aggregate`) so that micro-batch terms sum to the mini-batch's; multiply
+    by the coefficient and add it to the policy loss.
+
+    Args:
+        logprobs: [N, R] current policy log-probs (with grad).
+        ref_logprobs: [N, R] the frozen reference's log-probs.
+        mask: [N, R] 1 on tokens in the loss.
+    """
+    m = mask > 0
+    # Masked-out positions may hold garbage (-inf): zero both sides so no NaN reaches the grad.
+    lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
+    ref = torch.where(m, ref_logprobs.detach(), torch.zeros_like(lp))
+    return aggregate(kl_estimate(lp, ref, estimator), mask, agg, denom, max_len)

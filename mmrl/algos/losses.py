@@ -1,11 +1,61 @@
-"""Policy losses: pure functions over per-token tensors returning (loss, metrics).
+"""Policy losses: pure functions over per-token tensors returning (loss, metrics), selected by name.
 
-Shapes: N rows (responses), R response positions. `mask` is 1 on tokens that count.
+Shapes: N rows (responses), R response positions. `mask` [N, R] is 1 on tokens that count, 0
+on padding (a fully masked row contributes nothing). Every loss in `POLICY_LOSSES` is called
+the same way,
+
+    fn(logprobs, old_logprobs, advantages, mask, *, clip_low, clip_high, clip_dual=None,
+       agg="token_mean", denom=None, weights=None, max_len=None) -> (loss, metrics)
+
+    logprobs      [N, R] current policy log-probs (with grad)
+    old_logprobs  [N, R] log-probs of the policy that sampled the batch (no grad)
+    advantages    [N]    one advantage per response, broadcast over its tokens
+    weights       [N, R] optional detached per-token multiplier (truncated importance
+                         sampling weights, `mmrl.algos.tis`); None = 1
+
+and returns metrics over the masked tokens: `clip_frac_low`, `clip_frac_high`,
+`clip_frac_dual`, `ratio_mean`, `ratio_min`, `ratio_max`.
+
+| name | per-token loss |
+|---|---|
+| `ppo` | max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), dual-clipped at -A c for A < 0 |
+| `gspo` | the same on the sequence ratio s_i = exp(mean_t log r_t), token form sg(s_i) pi / sg(pi) |
+| `cispo` | -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi |
+
+Aggregations (`AGGREGATIONS`, see `aggregate`): `token_mean`, `seq_mean_token_mean`,
+`seq_mean_token_sum_norm`. When a mini-batch is split into micro-batches, pass every
+micro-batch `denom=loss_denominator(minibatch_mask, agg, max_len)` and their losses sum to the
+mini-batch loss.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# Log-ratios are clamped to +-this before exp so a wildly off token cannot overflow to inf
+# (beyond it the ratio is constant and has no gradient).
+LOG_RATIO_CLAMP = 20.0
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    def wrap(fn: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}: choose from {sorted(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, denom: float | None = None) -> torch.Tensor:
@@ -14,6 +64,280 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, denom: float | None = 
     if denom is None:
         denom = mask.sum().clamp(min=1).item()
     return total / denom
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def _check_agg(agg: str, max_len: int | None) -> None:
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {agg!r}: choose from {list(AGGREGATIONS)}")
+    if max_len is not None and not max_len > 0:
+        raise ValueError(f"max_len must be > 0, got {max_len}")
+
+
+def loss_denominator(mask: torch.Tensor, agg: str = "token_mean", max_len: int | None = None) -> float:
+    """The normaliser of `aggregate` for a whole mini-batch, so micro-batch losses sum to its loss.
+
+    Args:
+        mask: [N, R] the mask of the whole mini-batch.
+        agg: `token_mean` -> the number of masked tokens; `seq_mean_token_mean` -> the number of
+            sequences with at least one masked token; `seq_mean_token_sum_norm` -> that number of
+            sequences times `max_len`.
+        max_len: the constant of `seq_mean_token_sum_norm` (Dr.GRPO: the generation budget,
+            e.g. `max_new_tokens`); default R, the padded width of `mask`.
+
+    Returns:
+        A float >= 1 for token/sequence counts (an empty mask gives a loss of 0, never 0/0).
+    """
+    _check_agg(agg, max_len)
+    m = mask > 0
+    if agg == "token_mean":
+        return float(max(int(m.sum()), 1))
+    seqs = float(max(int(m.any(dim=-1).sum()), 1))
+    if agg == "seq_mean_token_mean":
+        return seqs
+    return seqs * float(max_len if max_len is not None else mask.shape[-1])
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    max_len: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss [N, R] over `mask` [N, R] to a scalar.
+
+        token_mean               sum_{i,t} m x / sum_{i,t} m                    (DAPO)
+        seq_mean_token_mean      1/S sum_i (sum_t m x / sum_t m)                (GRPO paper, GSPO)
+        seq_mean_token_sum_norm  1/S sum_i (sum_t m x / max_len)                (Dr.GRPO)
+
+    S is the number of sequences with at least one masked token; masked-out entries are ignored
+    even when they are NaN or inf. With `denom` (from `loss_denominator` of the whole
+    mini-batch) the numerator is divided by it instead of by this batch's own normaliser.
+    """
+    _check_agg(agg, max_len)
+    m = mask > 0
+    x = torch.where(m, per_token, torch.zeros_like(per_token))
+    if agg == "seq_mean_token_mean":
+        total = (x.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)).sum()
+    else:
+        total = x.sum()
+    if denom is None:
+        denom = loss_denominator(mask, agg, max_len)
+    return total / denom
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+
+
+def _check_inputs(
+    name: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None,
+) -> None:
+    if logprobs.dim() != 2:
+        raise ValueError(f"{name}: logprobs must be [N, R], got shape {list(logprobs.shape)}")
+    for what, t in (("old_logprobs", old_logprobs), ("mask", mask), ("weights", weights)):
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name}: {what} has shape {list(t.shape)}, logprobs has {list(logprobs.shape)}")
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"{name}: advantages must be [N] = [{logprobs.shape[0]}], got shape {list(advantages.shape)}"
+        )
+    if not (clip_low >= 0 and clip_high >= 0):
+        raise ValueError(f"{name}: clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
+    if clip_dual is not None and not clip_dual > 1:
+        raise ValueError(f"{name}: clip_dual must be > 1 (typically 3) or None, got {clip_dual}")
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float, clip_dual: float | None
+) -> torch.Tensor:
+    """PPO's pessimistic clipped objective per entry (a loss), with the optional dual-clip."""
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(loss1, loss2)
+    if clip_dual is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_dual), loss)
+    return loss
+
+
+def _ratio_metrics(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    m: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None,
+    signed: bool = True,
+) -> dict[str, float]:
+    """Clip fractions and ratio stats over the masked tokens (ratio, adv: [N, R]; m bool [N, R]).
+
+    signed: a token counts as clipped low only with A < 0 and high only with A > 0 (where PPO's
+    clip removes its gradient); unsigned (CISPO) counts any clipped importance weight.
+    """
+    with torch.no_grad():
+        r, a = ratio[m].float(), adv[m].float()
+        n = max(r.numel(), 1)
+        low, high = r < 1.0 - clip_low, r > 1.0 + clip_high
+        if signed:
+            low, high = low & (a < 0), high & (a > 0)
+        dual = (r > clip_dual) & (a < 0) if clip_dual is not None else torch.zeros_like(low)
+        empty = r.numel() == 0
+        return {
+            "clip_frac_low": float(low.sum()) / n,
+            "clip_frac_high": float(high.sum()) / n,
+            "clip_frac_dual": float(dual.sum()) / n,
+            "ratio_mean": 1.0 if empty else float(r.mean()),
+            "ratio_min": 1.0 if empty else float(r.min()),
+            "ratio_max": 1.0 if empty else float(r.max()),
+        }
+
+
+def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """logprobs - old_logprobs on masked tokens, 0 (ratio 1, no gradient) elsewhere."""
+    diff = logprobs - old_logprobs.detach()
+    return torch.where(m, diff, torch.zeros_like(diff))
+
+
+def _weighted(per_token: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    return per_token if weights is None else per_token * weights.detach()
+
+
+@register_policy_loss("ppo")
+def ppo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None = None,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip (Schulman et al. 2017) with clip-higher (DAPO, Yu et al. 2025) and dual-clip
+    (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL").
+
+        r_t   = exp(logprobs - old_logprobs)                                  # [N, R]
+        l_t   = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high))
+        l_t   = min(l_t, -A clip_dual)          if A < 0 and clip_dual is set (clip_dual > 1)
+        loss  = aggregate(w_t l_t, mask, agg, denom, max_len)
+
+    Clip-higher: a larger clip_high lets low-probability tokens with A > 0 grow (against entropy
+    collapse). Dual-clip: for A < 0 an unbounded ratio would give an unbounded loss; it is
+    capped at -A c (a constant, so no gradient there).
+
+    Metrics: `clip_frac_low` (r < 1 - clip_low with A < 0), `clip_frac_high` (r > 1 + clip_high
+    with A > 0), `clip_frac_dual` (r > clip_dual with A < 0), token `ratio_mean/min/max`.
+    """
+    _check_inputs("ppo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, clip_dual)
+    m = mask > 0
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    per_token = _weighted(_clipped_surrogate(ratio, adv, clip_low, clip_high, clip_dual), weights)
+    loss = aggregate(per_token, mask, agg, denom, max_len)
+    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, clip_dual)
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None = None,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO-clip on the sequence ratio.
+
+        log s_i  = (1 / |y_i|) sum_t m_t (logprobs - old_logprobs)       # length-normalised
+        s_i,t    = sg(s_i) * pi(y_t) / sg(pi(y_t))                        # value s_i, grad of token t
+        l_i,t    = max(-A_i s_i,t, -A_i clip(s_i,t, 1 - clip_low, 1 + clip_high))   (+ dual-clip)
+        loss     = aggregate(w_t l_i,t, mask, agg, denom, max_len)
+
+    Every token of response i carries the same ratio s_i (so the whole response is clipped or
+    not), and its gradient is A_i s_i grad log pi(y_t). The paper's objective is the
+    `seq_mean_token_mean` aggregation; its clip ranges are tiny (clip_low 3e-4, clip_high 4e-4)
+    because s_i is a per-token geometric mean. log s_i,t is clamped to +-20.
+
+    Metrics are the PPO ones with each token's ratio being its sequence's s_i (token-weighted).
+    """
+    _check_inputs("gspo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, clip_dual)
+    m = mask > 0
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
+    seq_log_ratio = log_ratio.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
+    lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
+    log_s = (lp - lp.detach() + seq_log_ratio.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_s)
+    per_token = _weighted(_clipped_surrogate(ratio, adv, clip_low, clip_high, clip_dual), weights)
+    loss = aggregate(per_token, mask, agg, denom, max_len)
+    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, clip_dual)
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None = None,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): clip the importance weight, not the update.
+
+        r_t  = exp(logprobs - old_logprobs)
+        l_t  = -sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A * logprobs
+        loss = aggregate(w_t l_t, mask, agg, denom, max_len)
+
+    The clipped weight is detached, so every token keeps the gradient -clip(r_t) A grad log pi:
+    unlike PPO, tokens beyond the clip bound still learn (the paper's point: rare "fork" tokens
+    with large ratios are not dropped). The paper bounds only from above (clip_low >= 1 means
+    no lower bound). The loss value is A-weighted log-probs, not a surrogate near -A.
+    Dual-clip does not apply (the weight is already bounded).
+
+    Metrics: `clip_frac_low` / `clip_frac_high` count tokens whose weight was clipped, whatever
+    the sign of A; `clip_frac_dual` is 0; token `ratio_mean/min/max`.
+    """
+    _check_inputs("cispo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
+    if clip_dual is not None:
+        raise ValueError("cispo: dual-clip does not apply (the importance weight is already clipped)")
+    m = mask > 0
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    ratio = torch.exp(
+        _masked_log_ratio(logprobs, old_logprobs, m).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    )
+    is_weight = ratio.clamp(max(1.0 - clip_low, 0.0), 1.0 + clip_high)
+    lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
+    per_token = _weighted(-is_weight * adv * lp, weights)
+    loss = aggregate(per_token, mask, agg, denom, max_len)
+    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None, signed=False)
 
 
 def clipped_policy_loss(
@@ -27,10 +351,7 @@ def clipped_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate with separate bounds (clip-higher, DAPO), token-mean aggregated.
 
-        ratio    = exp(logprobs - old_logprobs)                      # [N, R]
-        pg_loss1 = -A * ratio
-        pg_loss2 = -A * clip(ratio, 1 - clip_low, 1 + clip_high)
-        loss     = sum(max(pg_loss1, pg_loss2) * mask) / token_denom
+    `ppo_loss(..., agg="token_mean", denom=token_denom)`; kept for callers of the first API.
 
     Args:
         logprobs: [N, R] current policy log-probs (with grad).
@@ -39,27 +360,14 @@ def clipped_policy_loss(
         mask: [N, R] 1 for tokens in the loss.
         token_denom: tokens the loss is averaged over; pass the mini-batch's token count when
             a mini-batch is split into micro-batches so their sum equals the full-batch loss.
-
-    Returns:
-        loss, and metrics: clip fractions (ratio clipped below with A<0 / above with A>0),
-        ratio mean/min/max.
     """
-    A = advantages.unsqueeze(-1)  # [N, 1]
-    ratio = torch.exp(logprobs - old_logprobs)
-    pg_loss1 = -A * ratio
-    pg_loss2 = -A * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg_losses = torch.maximum(pg_loss1, pg_loss2)
-    loss = masked_mean(pg_losses, mask, token_denom)
-    with torch.no_grad():
-        m = mask.bool()
-        r = ratio[m]
-        a = A.expand_as(ratio)[m]
-        n = max(int(m.sum()), 1)
-        metrics = {
-            "clip_frac_low": float(((r < 1.0 - clip_low) & (a < 0)).sum()) / n,
-            "clip_frac_high": float(((r > 1.0 + clip_high) & (a > 0)).sum()) / n,
-            "ratio_mean": float(r.mean()) if r.numel() else 1.0,
-            "ratio_min": float(r.min()) if r.numel() else 1.0,
-            "ratio_max": float(r.max()) if r.numel() else 1.0,
-        }
-    return loss, metrics
+    return ppo_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        agg="token_mean",
+        denom=token_denom,
+    )

@@ -1,0 +1,20 @@
+"""A test-only verifier that hangs inside C code for some samples (a catastrophic regex:
+CPython's regex engine never checks for signals, so only killing the process stops it)."""
+
+from __future__ import annotations
+
+import re
+
+from mmrl.types import Sample, VerifierResult, VerifyContext
+from mmrl.verifiers.math import MathVerifier
+from mmrl.verifiers.registry import register_verifier
+
+
+@register_verifier("hang_on_marked")
+class HangOnMarked(MathVerifier):
+    """The math verifier, except that samples with `extra_info["hang"]` never return."""
+
+    def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
+        if sample.extra_info.get("hang"):
+            re.match(r"(a+)+$", "a" * 64 + "b")  # exponential backtracking in C
+        return super().score(response, sample, context)
