@@ -3,7 +3,8 @@
     python benchmarks/throughput.py [--steps N] [key=value ...]
 
 Runs N GRPO steps after one untimed warm-up step and prints samples/s, generated tokens/s and
-where the step time goes (rollout, reward, update). The numbers depend on the machine: run it
+where the step time goes: rollout (generation, with scoring overlapped), reward_wait (scoring
+still running after generation), prep (old log-probs, advantages), update (the mini-batches). The numbers depend on the machine: run it
 where you compare.
 """
 
@@ -16,7 +17,8 @@ import time
 from mmrl.config import load_config
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import load_policy
-from mmrl.train.grpo import PromptSampler, grpo_step, load_data, make_trainee, seed_everything
+from mmrl.train.data import PromptSampler, load_data
+from mmrl.train.grpo import grpo_step, make_trainee, seed_everything
 from mmrl.types import VerifyContext
 
 
@@ -36,11 +38,11 @@ def main() -> None:
     sampler = PromptSampler(train_samples, cfg.trainer.seed)
     B, G = cfg.trainer.prompts_per_step, cfg.rollout.group_size
     try:
-        grpo_step(cfg, t, sampler.next(B), VerifyContext(0, args.steps + 1))  # untimed warm-up
+        grpo_step(cfg, t, sampler, VerifyContext(0, args.steps + 1))  # untimed warm-up
         rows = []
         start = time.perf_counter()
         for step in range(args.steps):
-            rows.append(grpo_step(cfg, t, sampler.next(B), VerifyContext(step + 1, args.steps + 1)))
+            rows.append(grpo_step(cfg, t, sampler, VerifyContext(step + 1, args.steps + 1)))
         wall = time.perf_counter() - start
     finally:
         t.router.close()
@@ -54,9 +56,9 @@ def main() -> None:
     print(f"  samples/s           {samples / wall:8.1f}")
     print(f"  generated tokens/s  {tokens / wall:8.1f}")
     print(f"  step time (median)  {med('time/step_s'):8.3f} s")
-    for part in ("rollout", "reward", "update"):
+    for part in ("rollout", "reward_wait", "prep", "update"):
         share = med(f"time/{part}_s") / med("time/step_s")
-        print(f"    {part:<8} {med(f'time/{part}_s'):8.3f} s  ({100 * share:4.1f}%)")
+        print(f"    {part:<11} {med(f'time/{part}_s'):8.3f} s  ({100 * share:4.1f}%)")
     print(f"  mean response length {tokens / samples:7.2f} tokens")
 
 

@@ -58,6 +58,16 @@ class ModelConfig:
     """How the built-in base is made from the random tiny model."""
     cache_dir: str | None = None
     """Where built-in bases are cached; default `$MMRL_CACHE` or `~/.cache/mmrl`."""
+    lora_rank: int = 0
+    """LoRA rank (peft) on the language model's linear layers; 0: full fine-tuning."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+    """Regex of the module names LoRA adapts (the vision tower is excluded by default)."""
+    freeze_vision: bool = False
+    """Freeze the vision tower (patch embedding and blocks), as V-Triune does for stability."""
+    freeze_connector: bool = False
+    """Freeze the vision-language connector (the merger)."""
 
 
 @dataclass
@@ -81,6 +91,11 @@ class DataConfig:
     """Side of the procedural images in pixels."""
     seed: int = 0
     """Seed of the procedural data."""
+    cot_prompts: bool = False
+    """Append a chain-of-thought instruction drawn at random from `cot_prompt_pool` (or the
+    built-in pool) to every math-ability prompt (V-Triune's randomised prompt pool)."""
+    cot_prompt_pool: list[str] = field(default_factory=list)
+    """Instructions to draw from; empty: `mmrl.train.data.DEFAULT_COT_PROMPTS`."""
 
 
 @dataclass
@@ -119,25 +134,65 @@ class RewardConfig:
 
 @dataclass
 class AlgoConfig:
-    """The GRPO objective."""
+    """The RL objective: advantage estimator, policy loss, KL, DAPO pieces, mismatch correction."""
 
+    # -- advantages --
     advantage: str = "grpo"
-    """Advantage estimator (see `mmrl.algos.advantages.ADVANTAGE_ESTIMATORS`)."""
+    """Advantage estimator: grpo, dr_grpo (no std division), rloo, reinforce_pp (batch
+    normalisation), reinforce_pp_baseline (group mean, then batch normalisation), gdpo."""
     adv_eps: float = 1e-6
-    """Added to the group std before dividing."""
+    """Added to standard deviations before dividing."""
+    adv_clip: float = 0.0
+    """Clip advantages to [-adv_clip, adv_clip] (0: off)."""
+    gdpo_components: list[str] = field(default_factory=lambda: ["accuracy", "format"])
+    """GDPO: the reward components normalised separately within each group, then summed."""
+    gdpo_weights: list[float] = field(default_factory=list)
+    """GDPO: one weight per component (empty: all 1)."""
+    # -- policy loss --
+    policy_loss: str = "ppo"
+    """ppo (clip-higher, optional dual-clip), gspo (sequence-level ratio) or cispo (clipped,
+    stop-gradient importance weight times log-prob)."""
+    loss_agg: str = "token_mean"
+    """token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr.GRPO: token sums over a
+    constant, rollout.max_new_tokens)."""
     clip_low: float = 0.2
-    """PPO clip: the ratio is clipped below at 1 - clip_low."""
+    """The ratio is clipped below at 1 - clip_low (GSPO's paper uses 3e-4)."""
     clip_high: float = 0.28
-    """Clip-higher (DAPO): the ratio is clipped above at 1 + clip_high."""
+    """Clip-higher (DAPO): the ratio is clipped above at 1 + clip_high (GSPO: 4e-4)."""
+    clip_dual: float = 0.0
+    """Dual-clip (PPO, Ye et al. 2020): cap the loss of negative-advantage tokens at
+    -A * clip_dual (> 1, typically 3; 0: off)."""
+    # -- KL to the reference --
     kl_coef: float = 0.0
-    """Weight of the KL penalty to the frozen reference in the loss (0: no reference model)."""
+    """Weight of the KL penalty to the reference (0: no reference model is kept)."""
     kl_estimator: str = "k3"
-    """KL estimator for the penalty: k1, k2 or k3 (Schulman's unbiased, non-negative one)."""
+    """KL estimator in the loss: k1, k2 or k3 (Schulman's unbiased, non-negative one)."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef * sum_t k1 from each response's reward instead of adding KL to the loss."""
+    # -- other loss terms --
     entropy_coef: float = 0.0
     """Weight of an entropy bonus (subtracted from the loss)."""
     old_logprobs: str = "recompute"
     """`recompute`: a no-grad trainer forward before the update; `rollout`: reuse the engine's
     log-probs (valid when the engine runs the same weights, as the HF engine does)."""
+    # -- rollout/trainer mismatch (truncated importance sampling) --
+    tis: str = "off"
+    """Truncated importance sampling with the rollout engine's log-probs: off, token or sequence."""
+    tis_cap: float = 2.0
+    """TIS weights are truncated (or masked) above this."""
+    tis_mode: str = "truncate"
+    """truncate: min(w, cap); mask: weight 0 where w > cap."""
+    # -- DAPO --
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and generate more until the batch is full."""
+    max_resample_batches: int = 3
+    """Dynamic sampling: at most this many extra generation rounds per step."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment over the last `overlong_buffer` tokens of the limit (0: off)."""
+    overlong_penalty: float = 1.0
+    """Scale of the overlong punishment (a reward of -overlong_penalty at the limit)."""
+    mask_truncated: bool = False
+    """Leave responses that hit the length limit out of the loss (overlong filtering)."""
 
 
 @dataclass
@@ -156,6 +211,10 @@ class OptimConfig:
     """`constant`, `linear` (decay to 0 at the last step) or `cosine`."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
+    vision_lr: float | None = None
+    """Learning rate of the vision tower (None: `lr`)."""
+    connector_lr: float | None = None
+    """Learning rate of the connector (None: `lr`)."""
 
 
 @dataclass
@@ -186,6 +245,9 @@ class TrainerConfig:
     """Save the final policy in Hugging Face format under `<run_dir>/final`."""
     progress: bool = True
     """Show a progress bar."""
+    dump_steps: bool = False
+    """Write every step's prompts, responses, log-probs, reward components and advantages to
+    `<run_dir>/dumps/step_<n>.jsonl`."""
 
 
 @dataclass
@@ -223,6 +285,27 @@ class Config:
             (0 <= self.algo.clip_low < 1, "algo.clip_low must be in [0, 1)"),
             (self.algo.clip_high >= 0, "algo.clip_high must be >= 0"),
             (self.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator must be k1, k2 or k3"),
+            (
+                self.algo.policy_loss in ("ppo", "gspo", "cispo"),
+                "algo.policy_loss must be ppo, gspo or cispo",
+            ),
+            (
+                self.algo.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+                "algo.loss_agg must be token_mean, seq_mean_token_mean or seq_mean_token_sum_norm",
+            ),
+            (self.algo.clip_dual == 0 or self.algo.clip_dual > 1, "algo.clip_dual must be 0 (off) or > 1"),
+            (self.algo.tis in ("off", "token", "sequence"), "algo.tis must be off, token or sequence"),
+            (self.algo.tis_mode in ("truncate", "mask"), "algo.tis_mode must be truncate or mask"),
+            (self.algo.tis_cap > 0, "algo.tis_cap must be > 0"),
+            (
+                self.algo.tis == "off" or self.algo.old_logprobs == "recompute",
+                "algo.tis needs algo.old_logprobs=recompute (with rollout log-probs the weights are all 1)",
+            ),
+            (
+                self.algo.overlong_buffer < self.rollout.max_new_tokens,
+                "algo.overlong_buffer must be < rollout.max_new_tokens",
+            ),
+            (self.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
             (
                 self.algo.old_logprobs in ("recompute", "rollout"),
                 "algo.old_logprobs must be recompute or rollout",

@@ -46,6 +46,25 @@ class RewardBatch:
     """Verifier errors (exceptions and time-outs) by `verifier/data_source`."""
     timeouts: Counter = field(default_factory=Counter)
     """Time-outs alone, by `verifier/data_source`."""
+    _keys: list[str] = field(default_factory=list, repr=False)
+    """`verifier/data_source` of each row (for recounting errors of a selection)."""
+
+    def select(self, rows: list[int]) -> RewardBatch:
+        """The results of the given rows (errors recounted from them)."""
+        results = [self.results[r] for r in rows]
+        return RewardBatch(results=results, scores=self.scores[rows], errors=_count(results, self._keys, rows, False),
+                           timeouts=_count(results, self._keys, rows, True))  # fmt: skip
+
+    @staticmethod
+    def concat(parts: list[RewardBatch]) -> RewardBatch:
+        out = RewardBatch(
+            results=[r for p in parts for r in p.results],
+            scores=torch.cat([p.scores for p in parts]),
+            errors=sum((p.errors for p in parts), Counter()),
+            timeouts=sum((p.timeouts for p in parts), Counter()),
+        )
+        out._keys = [k for p in parts for k in p._keys]
+        return out
 
     def component(self, name: str) -> torch.Tensor:
         """[N] one named component (NaN where a result lacks it)."""
@@ -99,7 +118,16 @@ class PendingRewards:
                 )
             results.append(result)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
-        return RewardBatch(results=results, scores=scores, errors=errors, timeouts=timeouts)
+        keys = [f"{s.reward_model.verifier}/{s.data_source}" for s in samples]
+        return RewardBatch(results=results, scores=scores, errors=errors, timeouts=timeouts, _keys=keys)
+
+
+def _count(results: list[VerifierResult], keys: list[str], rows: list[int], timeouts_only: bool) -> Counter:
+    counts: Counter = Counter()
+    for r, result in zip(rows, results):
+        if result.error is not None and (not timeouts_only or result.error.startswith("timeout")):
+            counts[keys[r]] += 1
+    return counts
 
 
 def _resolve(fut: Future | VerifierResult, time_limit_s: float) -> VerifierResult:

@@ -9,7 +9,7 @@ from mmrl.datasets.procedural import make_samples
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, response_mask_from_stops
 from mmrl.train.batching import select_rows
 from mmrl.train.forward import response_logprobs
-from mmrl.train.grpo import old_and_ref_logprobs
+from mmrl.train.update import old_and_ref_logprobs
 
 
 def _mixed_samples(n=6):

@@ -1,13 +1,18 @@
-"""GRPO on a vision-language model: the whole training loop, top to bottom.
+"""GRPO-family RL on a vision-language model: the whole training loop, top to bottom.
 
-One step:
-  1. take B prompts; the rollout engine samples G responses each (token ids + log-probs)
-  2. each response goes to the verifier its sample names -> reward
-  3. group-normalised advantages within each prompt's G responses
-  4. old log-probs (the policy that sampled) and, with a KL penalty, the reference's
-  5. split the B x G rows into mini-batches; per mini-batch: recompute log-probs, clipped
-     objective (+ k3 KL), backward, clip the gradient, AdamW step
-  6. metrics overall and per data source; greedy held-out evaluation every `eval_every` steps
+One step (`grpo_step`):
+  a. take B prompts; the rollout engine samples G responses each (token ids + log-probs); each
+     response goes to the verifier its sample names the moment it is finished
+     (with DAPO dynamic sampling: drop groups whose rewards are all equal, draw more prompts)
+  b. reward shaping: DAPO's overlong punishment; masking of truncated responses
+  c. log-probs of the sampling policy ("old") and of the reference (a frozen copy, or the LoRA
+     base model); with `algo.kl_in_reward` the KL goes into the reward here
+  d. advantages within each prompt's group (GRPO, Dr.GRPO, RLOO, REINFORCE++, GDPO)
+  e. truncated importance sampling weights for rollout/trainer mismatch
+  f. the policy update (`mmrl/train/update.py`): mini-batches, PPO / GSPO / CISPO loss
+  g. metrics overall and per data source; optional step dump
+The loop (`train`) adds greedy held-out evaluation every `eval_every` steps, the run directory
+and the final checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import logging
 import math
 import random
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,24 +30,26 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mmrl.algos.advantages import get_advantage_estimator
-from mmrl.algos.kl import kl_estimate
-from mmrl.algos.losses import clipped_policy_loss, masked_mean
+from mmrl.algos.advantages import clip_advantages, get_advantage_estimator
+from mmrl.algos.dapo import informative_groups, overlong_penalty, truncation_mask
+from mmrl.algos.kl import kl_estimate, kl_penalized_rewards
+from mmrl.algos.tis import tis_weights
 from mmrl.config import Config
-from mmrl.datasets.procedural import make_samples
-from mmrl.datasets.readers import read_samples
+from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_for_saving, param_groups
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
-from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
-from mmrl.router import Router, import_plugins
+from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
+from mmrl.router import RewardBatch, Router
 from mmrl.train.batching import select_rows
+from mmrl.train.data import PromptSampler, cot_pool, load_data
+from mmrl.train.dumps import write_step_dump
 from mmrl.train.evaluation import evaluate
-from mmrl.train.forward import response_logprobs
 from mmrl.train.metrics_log import MetricsLogger
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.rundir import create_run_dir
 from mmrl.train.step_metrics import step_metrics
-from mmrl.types import RolloutBatch, Sample, VerifyContext
+from mmrl.train.update import old_and_ref_logprobs, update_policy
+from mmrl.types import RolloutBatch, VerifyContext
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +72,13 @@ class Trainee:
     """What one GRPO step works on."""
 
     policy: Policy
-    reference: torch.nn.Module | None
+    reference: torch.nn.Module | str | None
+    """A frozen copy, "adapters_disabled" (the LoRA base model), or None (no KL)."""
     engine: HFRolloutEngine
     router: Router
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    run_dir: Path | None = None
 
 
 def train(cfg: Config) -> TrainResult:
@@ -84,13 +92,12 @@ def train(cfg: Config) -> TrainResult:
     train_samples, heldout = load_data(cfg)
     if cfg.trainer.eval_size:
         heldout = heldout[: cfg.trainer.eval_size]
-    sampler = PromptSampler(train_samples, seed=cfg.trainer.seed)
+    sampler = PromptSampler(train_samples, seed=cfg.trainer.seed, cot_pool=cot_pool(cfg))
     run_dir = create_run_dir(cfg)
 
-    # 3. Policy, frozen reference (only with a KL penalty), rollout engine, router, optimizer.
+    # 3. Policy (LoRA / frozen parts), reference, rollout engine, router, optimizer.
     model_path = Path(cfg.model.path) if cfg.model.path else builtin_base(cfg)
-    policy = load_policy(model_path)
-    t = make_trainee(cfg, policy)
+    t = make_trainee(cfg, load_policy(model_path), run_dir)
     t.router.warm_up()
     metrics_log = MetricsLogger(run_dir)
     total = cfg.trainer.total_steps
@@ -103,14 +110,12 @@ def train(cfg: Config) -> TrainResult:
         log.info("step %d: greedy held-out accuracy %.3f", step, metrics["eval/accuracy"])
         return metrics["eval/accuracy"]
 
-    # 4. The loop: one GRPO step per rollout batch, greedy evaluation every `eval_every` steps.
+    # 4. The loop: one step per rollout batch, greedy evaluation every `eval_every` steps.
     try:
         start_acc = best_acc = final_acc = run_eval(0)
         bar = tqdm(range(1, total + 1), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True)
         for step in bar:
-            metrics = grpo_step(
-                cfg, t, sampler.next(cfg.trainer.prompts_per_step), VerifyContext(step - 1, total)
-            )
+            metrics = grpo_step(cfg, t, sampler, VerifyContext(step - 1, total), step=step)
             metrics_log.log(step, metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{final_acc:.3f}")
             if step % cfg.trainer.eval_every == 0 or step == total:
@@ -121,10 +126,12 @@ def train(cfg: Config) -> TrainResult:
         t.router.close()
         metrics_log.close()
 
-    # 5. Final checkpoint (HF format), training curves, summary.
+    # 5. Final checkpoint (HF format; LoRA adapters merged, and saved alone too), curves, summary.
     if cfg.trainer.save_final:
-        policy.model.save_pretrained(run_dir / "final")
-        policy.processor.save_pretrained(run_dir / "final")
+        merged_copy_for_saving(t.policy.model).save_pretrained(run_dir / "final")
+        t.policy.processor.save_pretrained(run_dir / "final")
+        if is_lora(t.policy.model):
+            t.policy.model.save_pretrained(run_dir / "final_adapter")
     plot_training_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
     result = TrainResult(
         run_dir=run_dir,
@@ -140,12 +147,21 @@ def train(cfg: Config) -> TrainResult:
     return result
 
 
-def make_trainee(cfg: Config, policy: Policy) -> Trainee:
-    """Wire a policy into what a GRPO step needs: reference, engine, router, optimizer."""
+def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Trainee:
+    """Wire a policy into what a step needs: adapters or frozen parts, reference, engine,
+    router, optimizer (a parameter group per part, each with its learning rate)."""
+    if cfg.model.lora_rank > 0:
+        policy.model = apply_lora(policy.model, cfg)
+    freeze_parts(policy.model, cfg)
     policy.model.train()
-    reference = copy.deepcopy(policy.model).eval().requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+    reference: torch.nn.Module | str | None = None
+    if cfg.algo.kl_coef > 0:
+        if is_lora(policy.model):
+            reference = "adapters_disabled"
+        else:
+            reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(
-        [p for p in policy.model.parameters() if p.requires_grad],
+        param_groups(policy.model, cfg),
         lr=cfg.optim.lr,
         betas=tuple(cfg.optim.betas),
         weight_decay=cfg.optim.weight_decay,
@@ -157,53 +173,72 @@ def make_trainee(cfg: Config, policy: Policy) -> Trainee:
         router=Router(cfg.reward.num_workers, cfg.reward.time_limit_s, cfg.reward.plugins),
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
+        run_dir=run_dir,
     )
 
 
-def grpo_step(cfg: Config, t: Trainee, samples: list[Sample], context: VerifyContext) -> dict[str, float]:
-    """One GRPO step on B prompts; returns its metrics."""
-    G = cfg.rollout.group_size
+def grpo_step(
+    cfg: Config, t: Trainee, sampler: PromptSampler, context: VerifyContext, step: int = 0
+) -> dict[str, float]:
+    """One step on B prompts x G responses; returns its metrics."""
+    a, G = cfg.algo, cfg.rollout.group_size
     t0 = time.monotonic()
-    # a. Rollout: B x G responses with their log-probs. With `reward.overlap`, each response
-    #    goes to the router the moment it is finished, so scoring overlaps generation.
-    params = SamplingParams(
-        n=G, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens
-    )
-    rows = [s for s in samples for _ in range(G)]
-    pending = t.router.start(context, len(rows))
-    on_response = (lambda r, text: pending.add(r, rows[r], text)) if overlap_rewards(cfg) else None
-    batch = t.engine.generate(samples, params, on_response=on_response)
+    # a. Rollout and rewards (scoring overlaps generation; DAPO may draw more prompts).
+    batch, rewards, rollout_metrics = rollout_and_score(cfg, t, sampler, context)
     t1 = time.monotonic()
-    # b. Rewards from each sample's own verifier (waits only for what is still running).
-    rewards = pending.result(batch.samples, batch.texts)
-    t2 = time.monotonic()
-    # c. Advantages within each prompt's group; with `reward.on_error=drop` a response whose
-    #    verifier failed is left out of its group's statistics and of the loss.
     valid = torch.tensor([r.error is None for r in rewards.results])
-    estimator = get_advantage_estimator(cfg.algo.advantage)
-    if cfg.reward.on_error == "drop" and not valid.all():
-        batch.response_mask = batch.response_mask * valid.unsqueeze(1).long()
-        advantages = estimator(rewards.scores, G, eps=cfg.algo.adv_eps, valid=valid)
-    else:
-        advantages = estimator(rewards.scores, G, eps=cfg.algo.adv_eps)
-    # d. Log-probs of the sampling policy ("old") and of the reference.
+    dropped = ~valid if cfg.reward.on_error == "drop" else torch.zeros_like(valid)
+    # b. Reward shaping and loss masks.
+    scores = rewards.scores.clone()
+    lengths = batch.response_mask.sum(dim=1)
+    if a.overlong_buffer > 0:
+        scores = scores + overlong_penalty(
+            lengths, cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty
+        )
+    keep = (~dropped).float()
+    if a.mask_truncated:
+        keep = keep * truncation_mask(batch.truncated)
+    batch.response_mask = batch.response_mask * keep.unsqueeze(1).long()
+    # c. Old and reference log-probs; the KL may go into the reward.
     old_logprobs, ref_logprobs = old_and_ref_logprobs(cfg, t.policy, t.reference, batch)
-    # e. Policy update over mini-batches, then the learning-rate schedule.
-    metrics = update_policy(cfg, t.policy, t.optimizer, batch, advantages, old_logprobs, ref_logprobs)
+    if ref_logprobs is not None and a.kl_in_reward:
+        scores = kl_penalized_rewards(
+            scores, kl_estimate(old_logprobs, ref_logprobs, "k1"), batch.response_mask.float(), a.kl_coef
+        )
+    # d. Advantages within each prompt's group.
+    advantages = compute_advantages(cfg, scores, rewards, ~dropped)
+    # e. Truncated importance sampling against the rollout engine's log-probs.
+    weights, mismatch = None, {}
+    if a.old_logprobs == "recompute":
+        w, mismatch = tis_weights(
+            old_logprobs, batch.rollout_logprobs, batch.response_mask.float(),
+            level="token" if a.tis == "off" else a.tis, cap=a.tis_cap, mode=a.tis_mode,
+        )  # fmt: skip
+        weights = None if a.tis == "off" else w
+        if a.tis == "off":  # the mismatch is still worth watching
+            mismatch = {k: v for k, v in mismatch.items() if k.startswith("rollout/")}
+    t2 = time.monotonic()
+    # f. Policy update over mini-batches, then the learning-rate schedule.
+    metrics = update_policy(
+        cfg, t.policy, t.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights
+    )
     metrics["actor/lr"] = t.scheduler.get_last_lr()[0]
     t.scheduler.step()
     t3 = time.monotonic()
-
+    # g. Metrics (and the step dump).
+    metrics.update(rollout_metrics)
+    metrics.update(mismatch)
     metrics.update(step_metrics(batch, rewards, advantages, G))
-    metrics["verifier/dropped"] = float((~valid).sum()) if cfg.reward.on_error == "drop" else 0.0
-    if cfg.algo.old_logprobs == "recompute":
-        diff = (old_logprobs - batch.rollout_logprobs).abs() * batch.response_mask
-        metrics["rollout/trainer_logprob_diff_max"] = float(diff.max())
+    metrics["verifier/dropped"] = float(dropped.sum())
+    if a.overlong_buffer > 0 or a.kl_in_reward:
+        metrics["reward/shaped_mean"] = float(scores.mean())
+    if cfg.trainer.dump_steps and t.run_dir is not None:
+        write_step_dump(t.run_dir, step, batch, rewards, scores, advantages, old_logprobs, ref_logprobs)
     generated = float(batch.response_mask.sum())
     metrics.update(
         {
             "time/rollout_s": t1 - t0,
-            "time/reward_s": t2 - t1,
+            "time/prep_s": t2 - t1,
             "time/update_s": t3 - t2,
             "time/step_s": t3 - t0,
             "throughput/samples_per_s": len(batch) / (t3 - t0),
@@ -213,180 +248,81 @@ def grpo_step(cfg: Config, t: Trainee, samples: list[Sample], context: VerifyCon
     return metrics
 
 
+def generate_and_score(
+    cfg: Config, t: Trainee, samples: list, context: VerifyContext
+) -> tuple[RolloutBatch, RewardBatch, float]:
+    """G responses per sample, each handed to the router the moment it is finished."""
+    G = cfg.rollout.group_size
+    params = SamplingParams(
+        n=G, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens
+    )
+    rows = [s for s in samples for _ in range(G)]
+    pending = t.router.start(context, len(rows))
+    on_response = (lambda r, text: pending.add(r, rows[r], text)) if overlap_rewards(cfg) else None
+    batch = t.engine.generate(samples, params, on_response=on_response)
+    waited = time.monotonic()
+    rewards = pending.result(batch.samples, batch.texts)
+    return batch, rewards, time.monotonic() - waited
+
+
+def rollout_and_score(
+    cfg: Config, t: Trainee, sampler: PromptSampler, context: VerifyContext
+) -> tuple[RolloutBatch, RewardBatch, dict[str, float]]:
+    """B groups of G scored responses. With DAPO dynamic sampling, groups whose rewards are all
+    equal (no learning signal) are dropped and more prompts are drawn, at most
+    `algo.max_resample_batches` extra rounds; a step may end with fewer groups."""
+    B, G = cfg.trainer.prompts_per_step, cfg.rollout.group_size
+    batch, rewards, waited = generate_and_score(cfg, t, sampler.next(B), context)
+    if not cfg.algo.dynamic_sampling:
+        return batch, rewards, {"time/reward_wait_s": waited}
+    kept_batches, kept_rewards, n_kept, rounds, generated = [], [], 0, 1, B
+    while True:
+        informative = informative_groups(rewards.scores, G).tolist()
+        groups = [g for g, ok in enumerate(informative) if ok][: B - n_kept]
+        if groups:
+            rows = [g * G + j for g in groups for j in range(G)]
+            kept_batches.append(select_rows(batch, rows))
+            kept_rewards.append(rewards.select(rows))
+            n_kept += len(groups)
+        if n_kept >= B or rounds > cfg.algo.max_resample_batches:
+            break
+        batch, rewards, more_wait = generate_and_score(cfg, t, sampler.next(B), context)
+        waited += more_wait
+        rounds += 1
+        generated += B
+    if not kept_batches:  # nothing informative at all: train on the last batch (advantages 0)
+        kept_batches, kept_rewards = [batch], [rewards]
+    batch = (
+        kept_batches[0] if len(kept_batches) == 1 else concat_rollouts(kept_batches, t.policy.pad_token_id)
+    )
+    batch.group_size = G
+    metrics = {
+        "time/reward_wait_s": waited,
+        "dapo/rounds": float(rounds),
+        "dapo/informative_groups": float(n_kept),
+        "dapo/informative_fraction": n_kept / generated,
+    }
+    return batch, RewardBatch.concat(kept_rewards), metrics
+
+
+def compute_advantages(
+    cfg: Config, scores: torch.Tensor, rewards: RewardBatch, valid: torch.Tensor
+) -> torch.Tensor:
+    """[N] advantages by `algo.advantage`; GDPO reads the named reward components separately."""
+    a, G = cfg.algo, cfg.rollout.group_size
+    estimator = get_advantage_estimator(a.advantage)
+    if a.advantage == "gdpo":
+        components = torch.stack([rewards.component(name) for name in a.gdpo_components], dim=1)  # [N, K]
+        valid = valid & ~components.isnan().any(dim=1)
+        advantages = estimator(components, G, eps=a.adv_eps, valid=valid, weights=a.gdpo_weights or None)
+    else:
+        advantages = estimator(scores, G, eps=a.adv_eps, valid=None if bool(valid.all()) else valid)
+    return clip_advantages(advantages, a.adv_clip or None)
+
+
 def overlap_rewards(cfg: Config) -> bool:
     """Score responses while generation goes on (needs verifier worker processes)."""
     return cfg.reward.overlap and cfg.reward.num_workers > 0
-
-
-def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
-    """Training and held-out samples: from files when given, else the procedural task."""
-    import_plugins(cfg.reward.plugins)  # verifier names are checked while loading
-    d = cfg.data
-    kw = dict(kinds_=d.kinds, seed=d.seed, image_size=d.image_size)
-    if d.train_files:
-        train = [s for f in d.train_files for s in read_samples(f)]
-    else:
-        train = make_samples(n=d.num_train, split="train", **kw)
-    if d.heldout_files:
-        heldout = [s for f in d.heldout_files for s in read_samples(f)]
-    elif not d.train_files:
-        heldout = make_samples(n=d.num_heldout, split="heldout", **kw)
-    else:
-        raise ValueError("data.train_files is set: give data.heldout_files too")
-    if not train:
-        raise ValueError("no training samples")
-    return train, heldout
-
-
-class PromptSampler:
-    """Shuffled passes over the training samples; deterministic by seed."""
-
-    def __init__(self, samples: list[Sample], seed: int):
-        self.samples = samples
-        self.rng = np.random.default_rng(seed)
-        self.order = self.rng.permutation(len(samples))
-        self.cursor = 0
-
-    def next(self, n: int) -> list[Sample]:
-        out = []
-        while len(out) < n:
-            if self.cursor == len(self.order):
-                self.order, self.cursor = self.rng.permutation(len(self.samples)), 0
-            out.append(self.samples[self.order[self.cursor]])
-            self.cursor += 1
-        return out
-
-
-@torch.no_grad()
-def old_and_ref_logprobs(
-    cfg: Config, policy: Policy, reference: torch.nn.Module | None, batch: RolloutBatch
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the sampling policy and of the reference, [N, R], computed per mini-batch
-    shape so that the first on-policy mini-batch sees a ratio of exactly 1."""
-    T = cfg.rollout.temperature
-    old = batch.rollout_logprobs if cfg.algo.old_logprobs == "rollout" else None
-    ref = None
-    if old is not None and reference is None:
-        return old, None
-    old_parts, ref_parts, rows = [], [], []
-    for idx in row_chunks(cfg, len(batch), shuffle=False):
-        sub = select_rows(batch, idx)
-        if old is None:
-            old_parts.append(response_logprobs(policy.model, sub, policy.blocked, T)[0])
-        if reference is not None:
-            ref_parts.append(response_logprobs(reference, sub, policy.blocked, T)[0])
-        rows.extend(idx)
-    inverse = torch.empty(len(rows), dtype=torch.long)
-    inverse[torch.tensor(rows)] = torch.arange(len(rows))
-    if old is None:
-        old = torch.cat(old_parts)[inverse]
-    if reference is not None:
-        ref = torch.cat(ref_parts)[inverse]
-    return old, ref
-
-
-def row_chunks(
-    cfg: Config, n_rows: int, shuffle: bool, generator: torch.Generator | None = None
-) -> list[list[int]]:
-    """Rows split into forward-sized chunks: mini-batches, then micro-batches within each."""
-    order = torch.randperm(n_rows, generator=generator).tolist() if shuffle else list(range(n_rows))
-    size = n_rows // cfg.trainer.mini_batches
-    micro = cfg.trainer.micro_batch_rows or size
-    chunks = []
-    for start in range(0, n_rows, size):
-        mb = order[start : start + size]
-        chunks.extend(mb[i : i + micro] for i in range(0, len(mb), micro))
-    return chunks
-
-
-def update_policy(
-    cfg: Config,
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    batch: RolloutBatch,
-    advantages: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-) -> dict[str, float]:
-    """`ppo_epochs` passes of `mini_batches` optimizer steps over the rollout batch."""
-    model = policy.model
-    a = cfg.algo
-    n = len(batch)
-    mb_size = n // cfg.trainer.mini_batches
-    micro = cfg.trainer.micro_batch_rows or mb_size
-    sums: dict[str, list[float]] = defaultdict(list)
-    extremes: dict[str, float] = {}
-    skipped = 0
-    for epoch in range(cfg.trainer.ppo_epochs):
-        # The first pass keeps row order so the first mini-batch matches the old log-prob pass.
-        order = list(range(n)) if epoch == 0 else torch.randperm(n).tolist()
-        for start in range(0, n, mb_size):
-            mb_rows = order[start : start + mb_size]
-            denom = float(batch.response_mask[mb_rows].sum().clamp(min=1))
-            optimizer.zero_grad(set_to_none=True)
-            for i in range(0, len(mb_rows), micro):
-                rows = mb_rows[i : i + micro]
-                sub = select_rows(batch, rows)
-                mask = sub.response_mask.float()
-                logprobs, entropy = response_logprobs(
-                    model,
-                    sub,
-                    policy.blocked,
-                    cfg.rollout.temperature,
-                    with_entropy=True,
-                    entropy_grad=a.entropy_coef > 0,
-                )
-                pg_loss, pg_metrics = clipped_policy_loss(
-                    logprobs,
-                    old_logprobs[rows],
-                    advantages[rows],
-                    mask,
-                    clip_low=a.clip_low,
-                    clip_high=a.clip_high,
-                    token_denom=denom,
-                )
-                loss = pg_loss
-                ent = masked_mean(entropy, mask, denom)
-                if a.entropy_coef > 0:
-                    loss = loss - a.entropy_coef * ent
-                if ref_logprobs is not None:
-                    ref_kl = masked_mean(
-                        kl_estimate(logprobs, ref_logprobs[rows], a.kl_estimator), mask, denom
-                    )
-                    loss = loss + a.kl_coef * ref_kl
-                    sums["actor/ref_kl"].append(ref_kl.item() * denom)
-                loss.backward()
-                with torch.no_grad():
-                    ppo_kl = masked_mean(kl_estimate(logprobs, old_logprobs[rows], "k3"), mask, denom)
-                sums["actor/pg_loss"].append(pg_loss.item() * denom)
-                sums["actor/entropy"].append(ent.item() * denom)
-                sums["actor/ppo_kl"].append(ppo_kl.item() * denom)
-                tokens = float(mask.sum())
-                for k in ("clip_frac_low", "clip_frac_high", "ratio_mean"):
-                    sums[f"actor/{k}"].append(pg_metrics[k] * tokens)
-                extremes["actor/ratio_min"] = min(
-                    extremes.get("actor/ratio_min", math.inf), pg_metrics["ratio_min"]
-                )
-                extremes["actor/ratio_max"] = max(
-                    extremes.get("actor/ratio_max", -math.inf), pg_metrics["ratio_max"]
-                )
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                model.parameters(), cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            )
-            if not torch.isfinite(grad_norm):
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                log.warning("non-finite gradient norm: optimizer step skipped")
-            else:
-                optimizer.step()
-            sums["actor/grad_norm"].append(float(grad_norm))
-    # Token-weighted means over every mini-batch of every epoch; the grad norm is per step.
-    total_tokens = float(batch.response_mask.sum().clamp(min=1)) * cfg.trainer.ppo_epochs
-    metrics = {k: sum(v) / total_tokens for k, v in sums.items() if k != "actor/grad_norm"}
-    metrics["actor/grad_norm"] = sum(sums["actor/grad_norm"]) / len(sums["actor/grad_norm"])
-    metrics.update(extremes)
-    metrics["actor/skipped_steps"] = float(skipped)
-    return metrics
 
 
 def lr_lambda(cfg: Config):

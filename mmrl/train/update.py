@@ -1,0 +1,183 @@
+"""The policy update of one step: old/reference log-probs, then mini-batched optimizer steps.
+
+`update_policy` is the loss written out: for each mini-batch, recompute log-probs, the policy
+loss chosen by `algo.policy_loss` (PPO / GSPO / CISPO) aggregated by `algo.loss_agg`, times the
+truncated importance-sampling weights if on, plus the KL to the reference, minus the entropy
+bonus; backward over micro-batches; clip; step. A non-finite loss or gradient skips the step
+(counted), never corrupts the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+
+import torch
+
+from mmrl.algos.kl import kl_estimate, kl_in_loss
+from mmrl.algos.losses import aggregate, get_policy_loss, loss_denominator
+from mmrl.config import Config
+from mmrl.models.adapters import adapters_disabled
+from mmrl.models.loading import Policy
+from mmrl.train.batching import select_rows
+from mmrl.train.forward import response_logprobs
+from mmrl.types import RolloutBatch
+
+log = logging.getLogger(__name__)
+
+
+def row_chunks(cfg: Config, n_rows: int) -> list[list[int]]:
+    """Rows in forward-sized chunks: mini-batches, then micro-batches within each, in order."""
+    size = n_rows // cfg.trainer.mini_batches
+    micro = cfg.trainer.micro_batch_rows or size
+    chunks = []
+    for start in range(0, n_rows, size):
+        mb = list(range(start, min(start + size, n_rows)))
+        chunks.extend(mb[i : i + micro] for i in range(0, len(mb), micro))
+    return chunks
+
+
+@torch.no_grad()
+def old_and_ref_logprobs(
+    cfg: Config, policy: Policy, reference: torch.nn.Module | str | None, batch: RolloutBatch
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [N, R] of the sampling policy ("old") and of the reference.
+
+    Computed in the same chunks as the first pass of the update, so the first on-policy
+    mini-batch sees a ratio of exactly 1. `reference` is a frozen copy, the string
+    "adapters_disabled" (the LoRA base model), or None.
+    """
+    T = cfg.rollout.temperature
+    old = batch.rollout_logprobs if cfg.algo.old_logprobs == "rollout" else None
+    if old is not None and reference is None:
+        return old, None
+    old_parts, ref_parts = [], []
+    for rows in row_chunks(cfg, len(batch)):
+        sub = select_rows(batch, rows)
+        if old is None:
+            old_parts.append(response_logprobs(policy.model, sub, policy.blocked, T)[0])
+        if reference == "adapters_disabled":
+            with adapters_disabled(policy.model):
+                ref_parts.append(response_logprobs(policy.model, sub, policy.blocked, T)[0])
+        elif reference is not None:
+            ref_parts.append(response_logprobs(reference, sub, policy.blocked, T)[0])
+    if old is None:
+        old = torch.cat(old_parts)
+    return old, (torch.cat(ref_parts) if ref_parts else None)
+
+
+def update_policy(
+    cfg: Config,
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    advantages: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    tis_weights: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """`ppo_epochs` passes of `mini_batches` optimizer steps over the rollout batch.
+
+    Shapes: advantages [N]; old/ref log-probs and TIS weights [N, R] (R = response width).
+    """
+    model, a = policy.model, cfg.algo
+    policy_loss = get_policy_loss(a.policy_loss)
+    max_len = cfg.rollout.max_new_tokens
+    n = len(batch)
+    mb_size = n // cfg.trainer.mini_batches
+    micro = cfg.trainer.micro_batch_rows or mb_size
+    sums: dict[str, float] = defaultdict(float)
+    extremes: dict[str, float] = {}
+    grad_norms: list[float] = []
+    skipped = 0
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for epoch in range(cfg.trainer.ppo_epochs):
+        # The first pass keeps row order so its first mini-batch matches the old log-prob pass.
+        order = list(range(n)) if epoch == 0 else torch.randperm(n).tolist()
+        for start in range(0, n, mb_size):
+            mb_rows = order[start : start + mb_size]
+            mb_mask = batch.response_mask[mb_rows].float()
+            denom = loss_denominator(
+                mb_mask, a.loss_agg, max_len
+            )  # micro-batch losses sum to the mini-batch's
+            token_denom = float(mb_mask.sum().clamp(min=1))
+            optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for i in range(0, len(mb_rows), micro):
+                rows = mb_rows[i : i + micro]
+                sub = select_rows(batch, rows)
+                mask = sub.response_mask.float()  # [n, R]
+                logprobs, entropy = response_logprobs(
+                    model,
+                    sub,
+                    policy.blocked,
+                    cfg.rollout.temperature,
+                    with_entropy=True,
+                    entropy_grad=a.entropy_coef > 0,
+                )
+                pg_loss, pg_metrics = policy_loss(
+                    logprobs, old_logprobs[rows], advantages[rows], mask,
+                    clip_low=a.clip_low, clip_high=a.clip_high, clip_dual=a.clip_dual or None,
+                    agg=a.loss_agg, denom=denom, max_len=max_len,
+                    weights=None if tis_weights is None else tis_weights[rows],
+                )  # fmt: skip
+                ent = aggregate(entropy, mask, "token_mean", token_denom)
+                loss = pg_loss - a.entropy_coef * ent if a.entropy_coef > 0 else pg_loss
+                if ref_logprobs is not None and not a.kl_in_reward:
+                    ref_kl = kl_in_loss(
+                        logprobs,
+                        ref_logprobs[rows],
+                        mask,
+                        estimator=a.kl_estimator,
+                        agg=a.loss_agg,
+                        denom=denom,
+                        max_len=max_len,
+                    )
+                    loss = loss + a.kl_coef * ref_kl
+                    sums["actor/ref_kl"] += ref_kl.item()
+                if not torch.isfinite(loss):
+                    finite = False
+                    log.warning(
+                        "non-finite loss in a mini-batch of rows %s: optimizer step skipped", rows[:8]
+                    )
+                    break
+                loss.backward()
+                tokens = float(mask.sum())
+                with torch.no_grad():
+                    ppo_kl = aggregate(
+                        kl_estimate(logprobs, old_logprobs[rows], "k3"), mask, "token_mean", token_denom
+                    )
+                sums["actor/pg_loss"] += pg_loss.item()  # micro-batch parts sum to the mini-batch loss
+                sums["actor/entropy"] += ent.item() * token_denom
+                sums["actor/ppo_kl"] += ppo_kl.item() * token_denom
+                for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean"):
+                    sums[f"actor/{k}"] += pg_metrics[k] * tokens
+                extremes["actor/ratio_min"] = min(
+                    extremes.get("actor/ratio_min", math.inf), pg_metrics["ratio_min"]
+                )
+                extremes["actor/ratio_max"] = max(
+                    extremes.get("actor/ratio_max", -math.inf), pg_metrics["ratio_max"]
+                )
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+            )
+            if not finite or not torch.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                if finite:
+                    log.warning("non-finite gradient norm: optimizer step skipped")
+                continue
+            optimizer.step()
+            grad_norms.append(float(grad_norm))
+    # Losses: the mean mini-batch loss; the rest: token-weighted means over every mini-batch of
+    # every epoch; the gradient norm: the mean over the optimizer steps taken.
+    tokens_total = float(batch.response_mask.sum().clamp(min=1)) * cfg.trainer.ppo_epochs
+    n_minibatches = cfg.trainer.ppo_epochs * math.ceil(n / mb_size)
+    metrics = {}
+    for key, value in sums.items():
+        metrics[key] = value / (n_minibatches if key in ("actor/pg_loss", "actor/ref_kl") else tokens_total)
+    metrics.update(extremes)
+    metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    metrics["actor/skipped_steps"] = float(skipped)
+    return metrics
