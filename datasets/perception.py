@@ -3,7 +3,8 @@
 Boxes are `[x1, y1, x2, y2]` in pixels of the (square) image, as Qwen2.5-VL answers; the
 detection verifier's `normalized` option covers ground truths on Qwen2-VL's 0-1000 grid.
 
-- `detection`: one or two shapes; every shape's box, labelled circle / square / triangle.
+- `detection`: one shape; its box, labelled circle / square / triangle (one box keeps the
+  answer within 64 byte tokens).
 - `grounding`: two or three shapes of different colours; the box of the one of a named colour.
 - `ocr`: a word rendered in the image; the word (`ocr` verifier, edit similarity).
 - `counting`: one to six shapes; how many (`counting` verifier).
@@ -33,13 +34,15 @@ BOX_FORMAT = ' Answer with a JSON list of {"bbox_2d": [x1, y1, x2, y2], "label":
 
 
 def _place(rng: np.random.Generator, size: int, n: int) -> list[tuple[float, float, float]]:
-    """`n` non-overlapping (cx, cy, r) in distinct cells of a 2x2 grid."""
+    """`n` shapes (cx, cy, r) in distinct quadrants, near each quadrant's centre: where a shape
+    is, is a coarse choice (which quadrant) plus a few pixels of jitter in place and size."""
     cell = size / 2
     out = []
     for c in rng.permutation(4)[:n]:
-        r = cell * rng.uniform(0.25, 0.45)
-        cx = (c % 2) * cell + rng.uniform(r, cell - r)
-        cy = (c // 2) * cell + rng.uniform(r, cell - r)
+        r = cell * rng.uniform(0.3, 0.42)
+        slack = cell / 2 - r
+        cx = (c % 2 + 0.5) * cell + rng.uniform(-slack, slack)
+        cy = (c // 2 + 0.5) * cell + rng.uniform(-slack, slack)
         out.append((cx, cy, r))
     return out
 
@@ -57,7 +60,7 @@ def _detection(rng: np.random.Generator, size: int) -> Drawn:
     image = _background(rng, size)
     draw = ImageDraw.Draw(image)
     boxes = []
-    for cx, cy, r in _place(rng, size, int(rng.integers(1, 3))):
+    for cx, cy, r in _place(rng, size, 1):
         shape = str(rng.choice(SHAPES))
         _draw_shape(draw, shape, cx, cy, r, _jitter(COLOURS[str(rng.choice(list(COLOURS)))], rng))
         boxes.append({"bbox_2d": _box(cx, cy, r), "label": shape})

@@ -30,7 +30,7 @@ def test_chat_template_places_vision_tokens():
     )
 
 
-@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_tiny_model_saves_and_reloads_offline_through_auto_classes(architecture, tmp_path):
     spec = TinyVLMSpec(architecture=architecture)
     model, processor = build_tiny_vlm(spec), build_processor(spec)
@@ -67,3 +67,42 @@ def test_blocked_tokens_cover_vision_and_structural_specials_but_not_the_stop_to
 def test_load_policy_names_a_folder_that_is_not_a_model(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_policy(tmp_path)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_every_family_rolls_out_and_recomputes_the_same_logprobs_with_multi_image_prompts(architecture):
+    """Any AutoModelForImageTextToText goes through the same rollout and log-prob code,
+    including prompts with several images (and rows with different numbers of images)."""
+    from mmrl.models.loading import make_policy
+    from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
+    from mmrl.train.batching import select_rows
+    from mmrl.train.forward import response_logprobs
+    from mmrl.types import RewardSpec, Sample
+
+    spec = TinyVLMSpec(architecture=architecture)
+    policy = make_policy(build_tiny_vlm(spec, seed=2), build_processor(spec))
+    red, blue = Image.new("RGB", (64, 64), "red"), Image.new("RGB", (64, 64), "blue")
+
+    def sample(i, images, text):
+        return Sample(
+            "multi",
+            [{"role": "user", "content": text}],
+            images,
+            "math",
+            RewardSpec("1", "math"),
+            {"id": str(i)},
+        )
+
+    samples = [
+        sample(0, [red, blue], "<image>first, <image>second: which is red?"),
+        sample(1, [blue], "<image>colour?"),
+        sample(2, [blue, red, red], "<image><image><image>count red"),
+    ]
+    engine = HFRolloutEngine.from_policy(policy)
+    batch = engine.generate(samples, SamplingParams(n=2, max_new_tokens=6))
+    assert batch.images_per_row == [2, 2, 1, 1, 3, 3]
+    with torch.no_grad():
+        full, _ = response_logprobs(policy.model, batch, policy.blocked, 1.0)
+        part, _ = response_logprobs(policy.model, select_rows(batch, [4, 1]), policy.blocked, 1.0)
+    torch.testing.assert_close(full, batch.rollout_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(part, batch.rollout_logprobs[[4, 1]], atol=1e-5, rtol=0)

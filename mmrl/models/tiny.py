@@ -30,7 +30,7 @@ class TinyVLMSpec:
     """Shape of a tiny built-in VLM. Defaults: the measured ~0.5M-parameter Qwen2-VL."""
 
     architecture: str = "qwen2_vl"
-    """`qwen2_vl` or `qwen2_5_vl`."""
+    """`qwen2_vl`, `qwen2_5_vl` or `qwen3_vl`."""
     hidden_size: int = 128
     """Text width; also the vision merger's output width."""
     num_layers: int = 2
@@ -56,7 +56,7 @@ class TinyVLMSpec:
 
 
 def build_processor(spec: TinyVLMSpec) -> ProcessorMixin:
-    """A Qwen2-VL processor around the byte tokenizer, sized for `spec`."""
+    """A Qwen2-VL (or Qwen3-VL) processor around the byte tokenizer, sized for `spec`."""
     tokenizer = build_byte_tokenizer()
     pixels = spec.image_size * spec.image_size
     vision_kwargs = dict(
@@ -65,6 +65,16 @@ def build_processor(spec: TinyVLMSpec) -> ProcessorMixin:
         temporal_patch_size=2,
         size={"shortest_edge": pixels, "longest_edge": pixels},
     )
+    if spec.architecture == "qwen3_vl":
+        from transformers import Qwen3VLProcessor
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        return Qwen3VLProcessor(
+            image_processor=Qwen2VLImageProcessor(**vision_kwargs),
+            video_processor=Qwen3VLVideoProcessor(**vision_kwargs),
+            tokenizer=tokenizer,
+            chat_template=tokenizer.chat_template,
+        )
     return Qwen2VLProcessor(
         image_processor=Qwen2VLImageProcessor(**vision_kwargs),
         video_processor=Qwen2VLVideoProcessor(**vision_kwargs),
@@ -131,9 +141,29 @@ def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
         )
         config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
         model_cls = Qwen2_5_VLForConditionalGeneration
+    elif spec.architecture == "qwen3_vl":
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+        text_config["head_dim"] = head_dim
+        text_config["rope_parameters"]["mrope_interleaved"] = True
+        patches_per_side = spec.image_size // spec.patch_size
+        vision_config = dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_width,
+            intermediate_size=spec.vision_width * 2,
+            num_heads=spec.vision_heads,
+            patch_size=spec.patch_size,
+            spatial_merge_size=spec.merge_size,
+            temporal_patch_size=2,
+            out_hidden_size=spec.hidden_size,
+            num_position_embeddings=patches_per_side * patches_per_side,
+            deepstack_visual_indexes=[0],
+        )
+        config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+        model_cls = Qwen3VLForConditionalGeneration
     else:
         raise ValueError(
-            f"unknown tiny architecture {spec.architecture!r}: expected 'qwen2_vl' or 'qwen2_5_vl'"
+            f"unknown tiny architecture {spec.architecture!r}: expected 'qwen2_vl', 'qwen2_5_vl' or 'qwen3_vl'"
         )
     torch.manual_seed(seed)
     model = model_cls(config)
