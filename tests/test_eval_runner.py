@@ -1,0 +1,305 @@
+"""The runner: a saved tiny model on the built-in mini-suite end to end (outputs, resuming), and
+scripted engines for skipping, judging, re-scoring and the trainer hook."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image
+
+from mmrl.eval import runner as runner_module
+from mmrl.eval.builtin import BUILTIN_TASKS, write_builtin_suite
+from mmrl.eval.config import EvalConfig
+from mmrl.eval.runner import add_eval_arguments, evaluate_suite, run_eval_command, run_suite
+from mmrl.eval.suite import load_suite
+from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm
+from mmrl.rollout.hf import HFRolloutEngine
+
+
+class ScriptedEngine:
+    """Answers each query from a table keyed by `task/query_idx`; counts generate calls."""
+
+    def __init__(self, answers: dict[str, str], default: str = ""):
+        self.answers = answers
+        self.default = default
+        self.calls = 0
+        self.prompts: list[str] = []
+
+    def generate(self, samples, params):
+        self.calls += 1
+        self.prompts += [s.prompt[0]["content"] for s in samples]
+        return SimpleNamespace(
+            texts=[self.answers.get(s.id, self.default) for s in samples for _ in range(params.n)]
+        )
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="mmrl eval")
+    add_eval_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _write_suite(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (16, 16), (10, 200, 10)).save(folder / "green.png")
+
+    def task(name, metrics, answers, parser="answer_string", media=None, **extra):
+        fields = list(answers[0])
+        return {
+            "task_name": name,
+            "task_description": f"Task {name}.",
+            "query_response": [
+                {
+                    "query_idx": i,
+                    "query_text": "<image>Question?",
+                    "query_media": [media[i] if media else "green.png"],
+                    "correct_answer": a,
+                    **extra,
+                }
+                for i, a in enumerate(answers)
+            ],
+            "metric_info": {
+                "field_score_function": dict(zip(fields, metrics)),
+                "aggregation": {"function": "mean", "field_weights": {f: 1 for f in fields}},
+                "response_parse_function": parser,
+            },
+            "metadata": {"skills": ["Colour"]},
+        }
+
+    tasks = [
+        task("colour", ["exact_str_match_case_insensitive"], [{"Answer": "green"}, {"Answer": "green"}]),
+        task(
+            "pair",
+            ["exact_str_match", "positive_int_match"],
+            [{"colour": "green", "count": "1"}, {"colour": "green", "count": "0"}],
+            parser="json",
+        ),
+        task("describe", ["gpt_4o_as_judge"], [{"Answer": "a green square"}]),
+        task(
+            "lost", ["exact_str_match"], [{"Answer": "x"}, {"Answer": "y"}], media=["green.png", "gone.png"]
+        ),
+        task("code", ["program_judge"], [{"Answer": "print(1)"}]),
+    ]
+    for t in tasks:
+        (folder / f"{t['task_name']}.json").write_text(json.dumps(t))
+    return folder
+
+
+ANSWERS = {
+    "colour/0": "It is GREEN.\nAnswer: green",
+    "colour/1": "Answer: red",
+    "pair/0": 'Here: {"colour": "green", "count": 1}',
+    "pair/1": "{broken json",  # parse fails: the raw text is scored for every field
+    "describe/0": "a green square",
+    "lost/0": "Answer: x",
+}
+
+
+def test_scripted_run_scores_skips_and_counts(tmp_path):
+    suite = load_suite(_write_suite(tmp_path / "suite"))
+    engine = ScriptedEngine(ANSWERS)
+    result = run_suite(engine, suite, EvalConfig(output_dir=str(tmp_path / "out"), progress=False))
+    by = {t.name: t for t in result.tasks}
+    assert by["colour"].score == pytest.approx(0.5)
+    # pair/0: both fields right (1); pair/1: raw text scores 0 on colour, and count "0" vs "{broken
+    # json" is 0 -> 0. Mean 0.5, one parse failure.
+    assert by["pair"].score == pytest.approx(0.5) and by["pair"].parse_failures == 1
+    # No judge configured: the Open task is skipped, not crashed.
+    assert by["describe"].score is None and by["describe"].skipped == {"needs_judge": 1}
+    # The query whose image is missing is skipped and counted; the other one is scored.
+    assert by["lost"].skipped == {"missing_media": 1} and by["lost"].num_scored == 1 and by["lost"].score == 1
+    assert by["code"].skipped == {"unsupported_metric": 1}
+    s = result.summary
+    assert s["skipped"] == {"needs_judge": 1, "missing_media": 1, "unsupported_metric": 1}
+    assert s["core"] == pytest.approx((0.5 + 0.5 + 1.0) / 3) and s["open"] is None
+    assert {"task": "lost", "query_idx": 1, "reason": "missing_media"} in result.skipped_queries
+    assert result.generated == 5
+    # The prompt is description + query text with the image placeholder.
+    assert "Task colour.\n<image>Question?" in engine.prompts
+
+
+def test_a_stub_judge_scores_open_tasks(tmp_path):
+    suite = load_suite(_write_suite(tmp_path / "suite"))
+    seen = []
+
+    def judge(prompt, response, reference):
+        seen.append((prompt, response, reference))
+        return 1.0 if response == reference else 0.25
+
+    result = run_suite(ScriptedEngine(ANSWERS), suite, EvalConfig(progress=False), judge=judge)
+    by = {t.name: t for t in result.tasks}
+    assert by["describe"].eval_type == "open" and by["describe"].score == 1.0
+    assert seen == [("Task describe.\n[image]Question?", "a green square", "a green square")]
+    assert result.summary["open"] == 1.0
+    assert result.summary["overall"] == pytest.approx((0.5 + 0.5 + 1.0 + 1.0) / 4)
+
+
+def test_changed_references_are_rescored_without_generating(tmp_path):
+    folder = _write_suite(tmp_path / "suite")
+    cfg = EvalConfig(output_dir=str(tmp_path / "out"), progress=False)
+    run_suite(ScriptedEngine(ANSWERS), load_suite(folder), cfg, model_id="m")
+    task = json.loads((folder / "colour.json").read_text())
+    task["query_response"][1]["correct_answer"] = {"Answer": "red"}
+    (folder / "colour.json").write_text(json.dumps(task))
+    engine = ScriptedEngine({})  # would answer "" to everything
+    result = run_suite(engine, load_suite(folder), cfg, model_id="m")
+    assert engine.calls == 0 and result.generated == 0 and result.rescored == 1
+    assert {t.name: t.score for t in result.tasks}["colour"] == 1.0
+
+
+def test_an_output_folder_of_another_model_is_refused(tmp_path):
+    suite = load_suite(_write_suite(tmp_path / "suite"))
+    cfg = EvalConfig(output_dir=str(tmp_path / "out"), progress=False)
+    run_suite(ScriptedEngine(ANSWERS), suite, cfg, model_id="first")
+    with pytest.raises(ValueError, match="holds results for model 'first'"):
+        run_suite(ScriptedEngine(ANSWERS), suite, cfg, model_id="second")
+    cfg.overwrite = True
+    engine = ScriptedEngine(ANSWERS)
+    run_suite(engine, suite, cfg, model_id="second")
+    assert engine.calls == 1  # everything redone
+
+
+def test_metric_errors_are_recorded_not_silent(tmp_path):
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    task = {
+        "task_name": "point",
+        "query_response": [{"query_text": "Where?", "correct_answer": {"Answer": "<point>0.5, 0.5</point>"}}],
+        "metric_info": {"field_score_function": {"Answer": "xml_norm_point_in_bbox"}},  # no eval_context
+    }
+    (folder / "point.json").write_text(json.dumps(task))
+    cfg = EvalConfig(output_dir=str(tmp_path / "out"), progress=False)
+    result = run_suite(ScriptedEngine({}, default="<point>0.5, 0.5</point>"), load_suite(folder), cfg)
+    assert result.tasks[0].field_errors == 1 and result.tasks[0].score == 0
+    record = json.loads((tmp_path / "out" / "queries.jsonl").read_text().splitlines()[0])
+    assert "bounding_boxes" in record["field_errors"]["Answer"]
+
+
+def test_a_ground_truth_oracle_scores_full_marks_on_the_builtin_suite(tmp_path):
+    """MEGA-Bench's sanity check: responses written from the references must score 1 everywhere
+    (so the built-in tasks' parsers and metrics agree with their answers)."""
+    suite = load_suite(write_builtin_suite(tmp_path, queries_per_task=3))
+    answers = {}
+    for task in suite.tasks:
+        for q in task.queries:
+            key = f"{task.name}/{q.idx}"
+            if task.metric_info.response_parse_function == "json":
+                answers[key] = "The bars: " + json.dumps({k: int(v) for k, v in q.answer.items()})
+            elif task.metric_info.field_score_function["Answer"] == "boxed_single_numerical_match":
+                answers[key] = f"The answer is \\boxed{{{q.answer['Answer']}}}"
+            else:
+                answers[key] = f"Let me look.\nAnswer: {q.answer['Answer']}"
+    result = run_suite(ScriptedEngine(answers), suite, EvalConfig(progress=False))
+    assert {t.name: t.score for t in result.tasks} == {name: 1.0 for name in BUILTIN_TASKS}
+
+
+def test_a_corrupt_image_skips_its_query(tmp_path):
+    folder = _write_suite(tmp_path / "suite")
+    (folder / "corrupt.png").write_bytes(b"not a png")
+    task = json.loads((folder / "colour.json").read_text())
+    task["query_response"][1]["query_media"] = ["corrupt.png"]
+    (folder / "colour.json").write_text(json.dumps(task))
+    result = run_suite(
+        ScriptedEngine(ANSWERS), load_suite(folder), EvalConfig(progress=False, tasks=("colour",))
+    )
+    (colour,) = result.tasks
+    assert colour.skipped == {"unreadable_media": 1} and colour.num_scored == 1 and colour.score == 1.0
+
+
+def test_evaluate_suite_returns_eval_suite_metrics(tmp_path):
+    folder = _write_suite(tmp_path / "suite")
+    engine = ScriptedEngine(ANSWERS)
+    metrics = evaluate_suite(engine, folder, max_queries=1)
+    assert metrics["eval_suite/task/colour"] == 1.0  # only colour/0 (max 1 query per task)
+    assert metrics["eval_suite/core"] == pytest.approx((1.0 + 1.0 + 1.0) / 3)
+    assert metrics["eval_suite/queries"] == 3 and metrics["eval_suite/skipped"] == 2
+    assert "eval_suite/open" not in metrics
+    assert not (folder / "queries.jsonl").exists()  # nothing written: the trainer's model changes
+
+
+def test_cli_errors_name_the_file_and_task(tmp_path, capsys):
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    (folder / "bad.json").write_text(
+        json.dumps({"task_name": "oops", "query_response": [], "metric_info": {}})
+    )
+    code = run_eval_command(_parse(["--suite", str(folder), "--model", str(tmp_path / "none")]))
+    err = capsys.readouterr().err
+    assert code == 2 and "bad.json" in err and "'oops'" in err
+    assert run_eval_command(_parse([])) == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-model")
+    spec = TinyVLMSpec()
+    build_tiny_vlm(spec, seed=0).save_pretrained(folder)
+    build_processor(spec).save_pretrained(folder)
+    return folder
+
+
+def test_tiny_model_on_the_builtin_suite_writes_outputs_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    suite = write_builtin_suite(tmp_path / "builtin", queries_per_task=2)
+    calls = []
+    real_generate = HFRolloutEngine.generate
+
+    def counting(self, samples, params, on_response=None):
+        calls.append(len(samples))
+        return real_generate(self, samples, params, on_response)
+
+    monkeypatch.setattr(HFRolloutEngine, "generate", counting)
+    out = tmp_path / "out"
+    argv = ["--suite", str(suite), "--model", str(tiny_model_dir), "--output", str(out)]
+    argv += ["--max-queries", "1", "--max-new-tokens", "4", "--batch-size", "16", "--no-progress"]
+    assert run_eval_command(_parse(argv)) == 0
+    assert calls == [len(BUILTIN_TASKS)]  # one query per task, one batch
+    results = json.loads((out / "results.json").read_text())
+    assert {t["name"] for t in results["tasks"]} == set(BUILTIN_TASKS)
+    assert results["summary"]["num_queries"] == len(BUILTIN_TASKS)
+    assert 0 <= results["summary"]["overall"] <= 1
+    assert "| task | type | score |" in (out / "results.md").read_text()
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    records = (out / "queries.jsonl").read_bytes()
+    assert len(records.splitlines()) == len(BUILTIN_TASKS)
+
+    # Re-running resumes: nothing generated, nothing scored, no record rewritten.
+    assert run_eval_command(_parse(argv)) == 0
+    assert calls == [len(BUILTIN_TASKS)]
+    assert (out / "queries.jsonl").read_bytes() == records
+    assert json.loads((out / "results.json").read_text())["summary"] == results["summary"]
+    assert json.loads((out / "results.json").read_text())["generated"] == 0
+
+
+def test_runner_module_exposes_the_cli_hooks():
+    assert callable(runner_module.add_eval_arguments) and callable(runner_module.run_eval_command)
+    args = _parse(["--model", "m", "--max-queries", "3", "--tasks", "a", "b", "--pass-k", "4"])
+    cfg = runner_module.config_from_args(args)
+    assert cfg.max_queries == 3 and cfg.tasks == ("a", "b") and cfg.pass_k == 4 and cfg.output_dir == "eval-m"
+
+
+def test_every_eval_config_field_has_a_docstring():
+    """As in mmrl.config: each default is documented by a string right under its field."""
+    import ast
+    import dataclasses
+    import inspect
+
+    import mmrl.eval.config as config_module
+
+    documented: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(inspect.getsource(config_module))):
+        if isinstance(node, ast.ClassDef):
+            names = documented.setdefault(node.name, set())
+            for stmt, nxt in zip(node.body, node.body[1:]):
+                if (
+                    isinstance(stmt, ast.AnnAssign)
+                    and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                ):
+                    names.add(stmt.target.id)
+    for cls in (config_module.EvalConfig, config_module.CurveConfig):
+        for f in dataclasses.fields(cls):
+            assert f.name in documented[cls.__name__], f"{cls.__name__}.{f.name} has no docstring"
