@@ -35,6 +35,15 @@ examples:
 """
 
 
+EVAL_EPILOG = """\
+examples:
+  mmrl eval --model runs/vision_reasoning-20261130-064200/final            # built-in mini-suite
+  mmrl eval --suite megabench_core/ --model /models/Qwen2.5-VL-7B-Instruct --max-queries 20
+  mmrl eval --model final/ --pass-k 8 --base ~/.cache/mmrl/bases/...       # pass@k vs the base
+  mmrl eval --curves runs/a runs/b                                         # ScaleRL fits of runs
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mmrl",
@@ -75,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_convert.add_argument("--data-source", help="data_source of the converted samples")
 
+    from mmrl.eval.runner import add_eval_arguments
+
+    p_eval = sub.add_parser(
+        "eval",
+        help="evaluate a model on a MEGA-Bench-style suite",
+        description="Evaluate a local VLM on a MEGA-Bench-style suite (default: the built-in mini-suite); "
+        "results as JSON, Markdown and PNG; resumable.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EVAL_EPILOG,
+    )
+    add_eval_arguments(p_eval)
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -88,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "convert":
         return _convert(args)
+    if args.command == "eval":
+        from mmrl.eval.runner import run_eval_command
+
+        return run_eval_command(args)
     return 2
 
 

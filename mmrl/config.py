@@ -245,6 +245,13 @@ class TrainerConfig:
     """Save the final policy in Hugging Face format under `<run_dir>/final`."""
     progress: bool = True
     """Show a progress bar."""
+    eval_suite: str | None = None
+    """A MEGA-Bench-style suite evaluated during training (a path, or `builtin` for the built-in
+    mini-suite); None: off."""
+    eval_suite_every: int = 50
+    """Steps between suite evaluations (also at step 0 and at the end)."""
+    eval_suite_max_queries: int | None = None
+    """At most this many queries per suite task."""
     dump_steps: bool = False
     """Write every step's prompts, responses, log-probs, reward components and advantages to
     `<run_dir>/dumps/step_<n>.jsonl`."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmrl.algos.advantages import gdpo_advantages as algos_gdpo
 from mmrl.algos.advantages import group_advantages
 
 ComponentsLike = Mapping[str, Sequence[float] | torch.Tensor]
@@ -104,7 +105,9 @@ def gdpo_advantages(
     """
     tensors, weights = _stack(components, weights)
     normalised = {k: group_advantages(t, group_size, eps=eps) for k, t in tensors.items()}
-    total = sum(weights[k] * a for k, a in normalised.items())
-    if batch_normalise and total.numel() > 1:
-        total = (total - total.mean()) / (total.std() + eps)
+    if batch_normalise:  # the estimator the VLM trainer uses (`algo.advantage=gdpo`)
+        stacked = torch.stack(list(tensors.values()), dim=1)  # [N, K]
+        total = algos_gdpo(stacked, group_size, eps=eps, weights=[weights[k] for k in tensors])
+    else:
+        total = sum(weights[k] * a for k, a in normalised.items())
     return CombinedRewards(total=total, components=tensors, weights=weights, normalised=normalised)

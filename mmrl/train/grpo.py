@@ -106,6 +106,12 @@ def train(cfg: Config) -> TrainResult:
         metrics = evaluate(
             t.engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total)
         )
+        tr = cfg.trainer
+        if tr.eval_suite and (step % tr.eval_suite_every == 0 or step == total):
+            from mmrl.eval.runner import evaluate_suite
+
+            suite = None if tr.eval_suite == "builtin" else tr.eval_suite
+            metrics.update(evaluate_suite(t.engine, suite, max_queries=tr.eval_suite_max_queries))
         metrics_log.log(step, metrics)
         log.info("step %d: greedy held-out accuracy %.3f", step, metrics["eval/accuracy"])
         return metrics["eval/accuracy"]
