@@ -237,9 +237,24 @@ def _check_reward(reward: Any, fail) -> RewardSpec:
     ground_truth = reward["ground_truth"]
     if hasattr(ground_truth, "tolist"):
         ground_truth = ground_truth.tolist()
+    models = reward.get("models") or []
+    if isinstance(models, str):
+        try:
+            models = json.loads(models)
+        except json.JSONDecodeError as exc:
+            raise fail("reward_model.models", f"not valid JSON: {exc}") from None
+    if hasattr(models, "tolist"):
+        models = models.tolist()
+    from mmrl.rewards.router_bridge import check_model_entries
+
+    try:
+        entries = check_model_entries(models, "reward_model.models")
+    except ValueError as exc:
+        raise fail("reward_model.models", str(exc)) from None
     return RewardSpec(
         ground_truth=ground_truth,
         verifier=verifier,
         verifier_params=dict(params),
         **ratios,
+        models=[{"name": e.name, "weight": e.weight, "params": e.params} for e in entries],
     )

@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from mmrl.models.tiny import TinyVLMSpec
+from mmrl.rewards.config import ModelRewardsConfig
 
 
 @dataclass
@@ -130,6 +131,10 @@ class RewardConfig:
     plugins: list[str] = field(default_factory=list)
     """Python modules to import (here and in every verifier worker) that register extra
     verifiers with `@register_verifier`."""
+    model_rewards: ModelRewardsConfig = field(default_factory=ModelRewardsConfig)
+    """Model-based rewards (aesthetic, CLIP, OCR, VLM judge, ...) for samples whose
+    `reward_model.models` name them; scored in the trainer's process, added to the verifier's
+    score, and sharing the accelerator with the policy (`placement`)."""
 
 
 @dataclass

@@ -39,6 +39,9 @@ class RewardSpec:
     """Weight of the verifier's accuracy component in the final reward."""
     format_ratio: float = 0.0
     """Weight of the verifier's format component in the final reward."""
+    models: list[dict[str, Any]] = field(default_factory=list)
+    """Model-based rewards that also score the sample: `{"name", "weight", "params"}` entries
+    naming reward models configured for the run (`reward.models`); see `mmrl.rewards`."""
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Sample:
                 "verifier_params": rm.verifier_params,
                 "accuracy_ratio": rm.accuracy_ratio,
                 "format_ratio": rm.format_ratio,
+                **({"models": rm.models} if rm.models else {}),
             },
             "extra_info": self.extra_info,
         }

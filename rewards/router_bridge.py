@@ -1,6 +1,6 @@
 """Model rewards for samples: the bridge between the sample format and the reward models.
 
-Proposed sample field (the lead wires it into `RewardSpec` and the schema check): a list under
+The sample field (`RewardSpec.models`, checked when records are loaded): a list under
 `reward_model.models`, one entry per reward model that scores the sample::
 
     {"reward_model": {"ground_truth": "...", "verifier": "math", ...,
@@ -13,9 +13,7 @@ Proposed sample field (the lead wires it into `RewardSpec` and the schema check)
 - `params` (default {}): per-sample inputs; a param `x` is passed to the model as the per-item
   field `xs` (`text` -> `texts` for OCR, `reference` -> `references` for the judge).
 
-Until `RewardSpec` has a `models` field, the same list is read from
-`reward_model.verifier_params["models"]` (which the reader already keeps), so data can use it
-today. `check_model_entries(raw, where)` validates the list (for the schema check at load time).
+`check_model_entries(raw, where)` validates the list (the schema check at load time).
 
 What each model sees for row i: `images[i]` (the generated image, for flow-GRPO / DDPO) if
 given, else the sample's first image; the sample's prompt text (placeholders removed); and
@@ -89,14 +87,9 @@ def check_model_entries(raw: Any, where: str = "reward_model.models") -> list[Mo
 
 
 def model_entries(sample: Sample) -> list[ModelRewardEntry]:
-    """The sample's model-reward entries (`reward_model.models`, else `verifier_params["models"]`)."""
-    raw = getattr(sample.reward_model, "models", None)
-    where = "reward_model.models"
-    if raw is None:
-        raw = sample.reward_model.verifier_params.get("models")
-        where = "reward_model.verifier_params.models"
+    """The sample's model-reward entries (`reward_model.models`)."""
     try:
-        return check_model_entries(raw, where)
+        return check_model_entries(sample.reward_model.models, "reward_model.models")
     except ValueError as exc:
         raise ValueError(f"sample {sample.id}: {exc}") from None
 

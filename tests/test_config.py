@@ -47,9 +47,10 @@ def test_every_config_field_has_a_docstring():
 
     import mmrl.config as config_module
     import mmrl.models.tiny as tiny_module
+    import mmrl.rewards.config as rewards_config_module
 
     documented: dict[str, set[str]] = {}
-    for module in (config_module, tiny_module):
+    for module in (config_module, tiny_module, rewards_config_module):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.ClassDef):
                 names = documented.setdefault(node.name, set())

@@ -156,13 +156,12 @@ class _FakeJudge(_Length):
 
 
 def _sample(i, models=None, image=None, truth="4"):
-    params = {"models": models} if models is not None else {}
     return Sample(
         data_source="t",
         prompt=[{"role": "user", "content": ("<image>" if image else "") + f"question {i}"}],
         images=[image] if image else [],
         ability="x",
-        reward_model=RewardSpec(ground_truth=truth, verifier="math", verifier_params=params),
+        reward_model=RewardSpec(ground_truth=truth, verifier="math", models=models or []),
         extra_info={"id": f"s{i}"},
     )
 
@@ -214,7 +213,7 @@ def test_bridge_errors_name_the_sample_and_field():
     with pytest.raises(KeyError, match=r"sample s0: reward model 'aesthetic' is not configured"):
         score_model_rewards([_sample(0, ["aesthetic"])], ["x"], None, {})
     with pytest.raises(
-        ValueError, match=r"sample s0: reward_model.verifier_params.models\[0\].weight: must be a number"
+        ValueError, match=r"sample s0: reward_model.models\[0\].weight: must be a number"
     ):
         score_model_rewards([_sample(0, [{"name": "a", "weight": "high"}])], ["x"], None, {})
     with pytest.raises(ValueError, match=r"models\[0\]: unknown key\(s\) \['wieght'\]"):

@@ -17,6 +17,7 @@ and the final checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -38,6 +39,9 @@ from mmrl.config import Config
 from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_for_saving, param_groups
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
+from mmrl.rewards.config import build_reward_models
+from mmrl.rewards.placement import RewardPlacement
+from mmrl.rewards.router_bridge import score_model_rewards
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch, Router
 from mmrl.train.batching import select_rows
@@ -79,6 +83,8 @@ class Trainee:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     run_dir: Path | None = None
+    reward_models: RewardPlacement | None = None
+    """Model-based rewards, placed beside the policy (None: the run configures none)."""
 
 
 def train(cfg: Config) -> TrainResult:
@@ -92,6 +98,7 @@ def train(cfg: Config) -> TrainResult:
     train_samples, heldout = load_data(cfg)
     if cfg.trainer.eval_size:
         heldout = heldout[: cfg.trainer.eval_size]
+    check_model_reward_names(cfg, train_samples + heldout)
     sampler = PromptSampler(train_samples, seed=cfg.trainer.seed, cot_pool=cot_pool(cfg))
     run_dir = create_run_dir(cfg)
 
@@ -153,6 +160,18 @@ def train(cfg: Config) -> TrainResult:
     return result
 
 
+def check_model_reward_names(cfg: Config, samples: list) -> None:
+    """Every reward model a sample names must be configured (`reward.model_rewards.models`)."""
+    configured = {m.name for m in cfg.reward.model_rewards.models}
+    for sample in samples:
+        for entry in sample.reward_model.models:
+            if entry["name"] not in configured:
+                raise ValueError(
+                    f"sample {sample.id}: field 'reward_model.models': reward model {entry['name']!r} is not "
+                    f"configured (reward.model_rewards.models: {sorted(configured) or 'none'})"
+                )
+
+
 def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Trainee:
     """Wire a policy into what a step needs: adapters or frozen parts, reference, engine,
     router, optimizer (a parameter group per part, each with its learning rate)."""
@@ -172,7 +191,18 @@ def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Tr
         betas=tuple(cfg.optim.betas),
         weight_decay=cfg.optim.weight_decay,
     )
+    reward_models = None
+    mr = cfg.reward.model_rewards
+    if mr.models:
+        budget = None if mr.placement.budget_mb is None else int(mr.placement.budget_mb * 2**20)
+        reward_models = RewardPlacement(
+            build_reward_models(mr),
+            accelerator=mr.placement.accelerator,
+            host=mr.placement.host,
+            budget_bytes=budget,
+        )
     return Trainee(
+        reward_models=reward_models,
         policy=policy,
         reference=reference,
         engine=HFRolloutEngine.from_policy(policy, max_batch_rows=cfg.rollout.max_batch_rows),
@@ -225,9 +255,11 @@ def grpo_step(
             mismatch = {k: v for k, v in mismatch.items() if k.startswith("rollout/")}
     t2 = time.monotonic()
     # f. Policy update over mini-batches, then the learning-rate schedule.
-    metrics = update_policy(
-        cfg, t.policy, t.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights
-    )
+    placed = t.reward_models.training() if t.reward_models is not None else contextlib.nullcontext()
+    with placed:  # offloadable reward models leave the accelerator while the policy trains
+        metrics = update_policy(cfg, t.policy, t.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights)
+    if t.reward_models is not None:
+        metrics.update(t.reward_models.metrics())
     metrics["actor/lr"] = t.scheduler.get_last_lr()[0]
     t.scheduler.step()
     t3 = time.monotonic()
@@ -268,7 +300,23 @@ def generate_and_score(
     batch = t.engine.generate(samples, params, on_response=on_response)
     waited = time.monotonic()
     rewards = pending.result(batch.samples, batch.texts)
+    if t.reward_models is not None:
+        add_model_rewards(t.reward_models, batch, rewards)
     return batch, rewards, time.monotonic() - waited
+
+
+def add_model_rewards(placement: RewardPlacement, batch: RolloutBatch, rewards: RewardBatch) -> None:
+    """Score the responses whose samples name reward models; add each row's weighted total to
+    its reward and keep every model's output as a `model/<name>` component."""
+    if not any(s.reward_model.models for s in batch.samples):
+        return
+    with placement.scoring():
+        rows = score_model_rewards(batch.samples, batch.texts, None, placement.models)
+    for i, row in enumerate(rows):
+        if row:
+            rewards.results[i].components.update({f"model/{k}": float(v) for k, v in row.items()})
+            rewards.results[i].score += float(row["total"])
+            rewards.scores[i] += float(row["total"])
 
 
 def rollout_and_score(
