@@ -25,10 +25,11 @@ WORDS = (
     "tree", "fish", "bird", "book", "door", "lamp", "milk", "rain", "ship", "star",
     "apple", "bread", "chair", "cloud", "grape", "house", "light", "mouse", "plant", "river",
 )  # fmt: skip
-DETECTION_PARAMS = {"iou_threshold": "average", "completeness_weight": 0.3}
-"""Procedural detection samples are scored on V-Triune's average over IoU thresholds
-0.5..0.95 and 0.99, which gives partial credit as boxes tighten; set `iou_threshold` to
-"dynamic" in your own data for V-Triune's schedule."""
+DETECTION_PARAMS = {"iou_threshold": 0.0, "completeness_weight": 0.3}
+"""Procedural detection samples use a fixed IoU threshold of 0: a box with the right label
+earns 0.3 + 0.7 * IoU however far off it is, a dense reward that a small model can climb from
+scratch. V-Triune's `dynamic` schedule (0.85 -> 0.95 -> 0.99) suits models that already
+localise well: set `iou_threshold` in your own data."""
 
 BOX_FORMAT = ' Answer with a JSON list of {"bbox_2d": [x1, y1, x2, y2], "label": ...} in pixels.'
 
