@@ -1,6 +1,8 @@
 # mmrl developer commands. `make run` and `make test` work on a fresh machine:
 # they create .venv, install mmrl with the pinned versions in constraints.txt, then run.
 VENV ?= .venv
+# Everything the test suite exercises; `make install EXTRAS=dev` for a lighter install.
+EXTRAS ?= dev,serve,rewards,diffusion
 PY := $(VENV)/bin/python
 # Keep the checkout's folders (datasets/, verifiers/) off sys.path: only `mmrl.*` is importable.
 export PYTHONSAFEPATH := 1
@@ -14,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -35,6 +35,13 @@ examples:
 """
 
 
+SERVE_EPILOG = """\
+examples:
+  mmrl serve --port 8000 --workers 2
+  MMRL_SERVE_TOKEN=secret mmrl serve --host 0.0.0.0 --port 8000
+  curl -s localhost:8000/get_reward -d '{"query": ["... \\\\boxed{3}"], "prompts": ["..."], "labels": ["3"]}'
+"""
+
 EVAL_EPILOG = """\
 examples:
   mmrl eval --model runs/vision_reasoning-20261130-064200/final            # built-in mini-suite
@@ -85,6 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     p_convert.add_argument("--data-source", help="data_source of the converted samples")
 
     from mmrl.eval.runner import add_eval_arguments
+    from mmrl.server import add_serve_arguments
+
+    p_serve = sub.add_parser(
+        "serve",
+        help="serve verifiers and reward models over HTTP for other trainers",
+        description="A reward server (FastAPI + uvicorn, verifier worker processes): native /score, "
+        "OpenRLHF /get_reward, V-Triune /judge, /health, /ready, /metrics. Binds to loopback by default; "
+        "any other address needs a bearer token.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SERVE_EPILOG,
+    )
+    add_serve_arguments(p_serve)
 
     p_eval = sub.add_parser(
         "eval",
@@ -109,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "convert":
         return _convert(args)
+    if args.command == "serve":
+        from mmrl.server import run_serve_command
+
+        return run_serve_command(args)
     if args.command == "eval":
         from mmrl.eval.runner import run_eval_command
 

@@ -127,7 +127,11 @@ class RewardConfig:
     `zero`: the response scores 0 and stays in its group; `drop`: it is left out of its group's
     advantage statistics and of the loss."""
     overlap: bool = True
-    """Score each response as soon as it is generated, overlapping generation (needs workers)."""
+    """Score each response as soon as it is generated, overlapping generation (needs workers
+    or a remote reward service)."""
+    remote_url: str | None = None
+    """Score on a reward server (`mmrl serve`) at this URL instead of local workers; its bearer
+    token comes from $MMRL_REWARD_TOKEN. Verifiers only: model rewards stay local."""
     plugins: list[str] = field(default_factory=list)
     """Python modules to import (here and in every verifier worker) that register extra
     verifiers with `@register_verifier`."""

@@ -206,7 +206,7 @@ def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Tr
         policy=policy,
         reference=reference,
         engine=HFRolloutEngine.from_policy(policy, max_batch_rows=cfg.rollout.max_batch_rows),
-        router=Router(cfg.reward.num_workers, cfg.reward.time_limit_s, cfg.reward.plugins),
+        router=make_router(cfg),
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
         run_dir=run_dir,
@@ -257,7 +257,9 @@ def grpo_step(
     # f. Policy update over mini-batches, then the learning-rate schedule.
     placed = t.reward_models.training() if t.reward_models is not None else contextlib.nullcontext()
     with placed:  # offloadable reward models leave the accelerator while the policy trains
-        metrics = update_policy(cfg, t.policy, t.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights)
+        metrics = update_policy(
+            cfg, t.policy, t.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights
+        )
     if t.reward_models is not None:
         metrics.update(t.reward_models.metrics())
     metrics["actor/lr"] = t.scheduler.get_last_lr()[0]
@@ -375,8 +377,18 @@ def compute_advantages(
 
 
 def overlap_rewards(cfg: Config) -> bool:
-    """Score responses while generation goes on (needs verifier worker processes)."""
-    return cfg.reward.overlap and cfg.reward.num_workers > 0
+    """Score responses while generation goes on (needs worker processes or a reward server)."""
+    return cfg.reward.overlap and (cfg.reward.num_workers > 0 or bool(cfg.reward.remote_url))
+
+
+def make_router(cfg: Config) -> Router:
+    """Local verifier workers, or a remote reward server with the same interface."""
+    r = cfg.reward
+    if r.remote_url:
+        from mmrl.server.client import RemoteRouter
+
+        return RemoteRouter(r.remote_url, time_limit_s=r.time_limit_s, plugins=r.plugins)
+    return Router(r.num_workers, r.time_limit_s, r.plugins)
 
 
 def lr_lambda(cfg: Config):

@@ -1,0 +1,447 @@
+"""Talking to `mmrl serve`: `RewardClient` (HTTP with timeouts and bounded retries) and
+`RemoteRouter` (the interface of `mmrl.router.Router`, scoring on a remote reward server).
+
+Failures surface as exceptions, never as silent zeros:
+
+- `RewardRequestError`: the server rejected the request (4xx other than 429: bad input, unknown
+  verifier, missing token, oversize body); the message is the server's, naming the field.
+  Not retried: the same request would fail the same way.
+- `RewardServiceUnavailable`: the server could not be reached or stayed busy (connection errors,
+  time-outs, 429, 502-504) through `retries` retries with exponential backoff (`backoff_s`,
+  doubling, capped at `max_backoff_s`; a 429's `Retry-After` is honoured within that cap).
+
+Scoring is a pure function of the request, so retrying a POST is safe.
+
+A verifier's own failure (time-out, crash) is not an exception: it is that response's result,
+with `score` 0 and `error` set, exactly as with the in-process `Router`.
+
+Switching mmrl's trainer to a remote reward service:
+
+    router = RemoteRouter("http://10.0.0.5:8000", token=os.environ["MMRL_REWARD_TOKEN"])
+    pending = router.start(context, n_rows)      # same calls as Router
+    pending.add(row, sample, text)
+    batch = pending.result(samples, texts)       # a RewardBatch
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from mmrl.server.protocol import result_from_json, sample_to_record
+from mmrl.types import Sample, VerifierResult, VerifyContext
+
+log = logging.getLogger(__name__)
+
+URL_ENV = "MMRL_REWARD_URL"
+"""Environment variable with the reward server's base URL (`http://host:port`)."""
+TOKEN_ENV = "MMRL_REWARD_TOKEN"
+"""Environment variable with the bearer token the server expects (if any)."""
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+"""HTTP statuses worth retrying: busy or temporarily unavailable."""
+ENDPOINTS = ("/score", "/get_reward", "/judge", "/health", "/ready", "/metrics")
+
+
+class RewardServiceError(RuntimeError):
+    """Base class: the reward server did not give an answer."""
+
+
+class RewardRequestError(RewardServiceError):
+    """The server rejected the request (a 4xx other than 429); `detail` is its message."""
+
+    def __init__(self, status: int, detail: str, message: str):
+        super().__init__(message)
+        self.status = status
+        self.detail = detail
+
+
+class RewardServiceUnavailable(RewardServiceError):
+    """No answer after all retries (unreachable, timing out, or busy)."""
+
+
+def base_url(url: str) -> str:
+    """`http://host:port` from a base URL or an endpoint URL (`.../get_reward` is accepted)."""
+    url = url.strip().rstrip("/")
+    for endpoint in ENDPOINTS:
+        if url.endswith(endpoint):
+            return url[: -len(endpoint)]
+    return url
+
+
+class RewardClient:
+    """A synchronous client for one reward server (thread-safe; keeps connections alive).
+
+    Args:
+        url: `http://host:port` (default: $MMRL_REWARD_URL).
+        token: bearer token (default: $MMRL_REWARD_TOKEN).
+        timeout_s: read/write time-out per attempt; keep it above the server's
+            `request_timeout_s` so the server's own time-out answers first.
+        connect_timeout_s: time-out for opening a connection.
+        retries: retries after the first attempt (0: none).
+        backoff_s, max_backoff_s: the first retry waits `backoff_s` (jittered by up to +25%), each
+            next one twice as long, never more than `max_backoff_s`.
+        max_batch: most responses per request (larger batches are split; match the server's).
+        transport: an `httpx` transport (tests); `sleep`: the function used to wait.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 0.25,
+        max_backoff_s: float = 8.0,
+        max_batch: int = 1024,
+        transport: Any = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        import httpx
+
+        url = url or os.environ.get(URL_ENV)
+        if not url:
+            raise ValueError(f"no reward server URL: pass url= or set ${URL_ENV}=http://host:port")
+        if retries < 0 or max_batch < 1:
+            raise ValueError(f"retries must be >= 0 and max_batch >= 1, got {retries} and {max_batch}")
+        self.url = base_url(url)
+        token = token if token is not None else os.environ.get(TOKEN_ENV)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.max_batch = max_batch
+        self._sleep = sleep
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            transport=transport,
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        )
+
+    # -- transport
+
+    def request(self, method: str, path: str, payload: Any = None) -> Any:
+        """One call with retries; the decoded JSON (or text for non-JSON answers)."""
+        import httpx
+
+        url = self.url + path
+        content = None if payload is None else json.dumps(payload, separators=(",", ":")).encode()
+        last = "no attempt made"
+        for attempt in range(self.retries + 1):
+            retry_after = None
+            try:
+                response = self._http.request(method, url, content=content)
+            except httpx.TimeoutException as exc:
+                last = f"timed out ({type(exc).__name__})"
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            else:
+                status = response.status_code
+                if status < 400:
+                    if response.headers.get("content-type", "").startswith("application/json"):
+                        return response.json()
+                    return response.text
+                detail = _detail(response)
+                if status not in RETRY_STATUSES:
+                    raise RewardRequestError(status, detail, f"{method} {url} -> HTTP {status}: {detail}")
+                last = f"HTTP {status}: {detail}"
+                retry_after = _seconds(response.headers.get("retry-after"))
+            if attempt == self.retries:
+                break
+            delay = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (1 + 0.25 * random.random())
+            if retry_after is not None:
+                delay = max(delay, min(retry_after, self.max_backoff_s))
+            log.info("%s %s: %s; retry %d/%d in %.2fs", method, url, last, attempt + 1, self.retries, delay)
+            self._sleep(delay)
+        raise RewardServiceUnavailable(f"{method} {url} failed after {self.retries + 1} attempt(s): {last}")
+
+    # -- endpoints
+
+    def score(
+        self, samples: Sequence[Sample], responses: Sequence[str], context: VerifyContext | None = None
+    ) -> list[VerifierResult]:
+        """Score `responses[i]` against `samples[i]` on the server (`POST /score`)."""
+        if len(samples) != len(responses):
+            raise ValueError(f"{len(samples)} samples but {len(responses)} responses")
+        records: list[dict] = []
+        index: list[int] = []
+        seen: dict[int, int] = {}
+        for sample in samples:
+            j = seen.get(id(sample))
+            if j is None:
+                j = seen[id(sample)] = len(records)
+                records.append(sample_to_record(sample))
+            index.append(j)
+        return [result_from_json(r) for r in self.score_records(records, responses, context, index)]
+
+    def score_records(
+        self,
+        records: Sequence[dict],
+        responses: Sequence[str],
+        context: VerifyContext | None = None,
+        sample_index: Sequence[int] | None = None,
+    ) -> list[dict]:
+        """Score responses against sample records (mmrl's JSON format); `sample_index[i]` says
+        which record `responses[i]` answers (default: one to one). Batches larger than
+        `max_batch` are split; results come back in response order."""
+        if sample_index is None:
+            if len(records) != len(responses):
+                raise ValueError(f"{len(records)} records but {len(responses)} responses")
+            sample_index = range(len(responses))
+        ctx = None if context is None else {"step": context.step, "total_steps": context.total_steps}
+        out: list[dict] = []
+        for start in range(0, len(responses), self.max_batch):
+            part = list(sample_index[start : start + self.max_batch])
+            local: dict[int, int] = {}
+            for j in part:
+                local.setdefault(j, len(local))
+            payload: dict[str, Any] = {
+                "samples": [records[j] for j in local],
+                "responses": list(responses[start : start + self.max_batch]),
+                "sample_index": [local[j] for j in part],
+            }
+            if ctx is not None:
+                payload["context"] = ctx
+            answer = self.request("POST", "/score", payload)
+            results = answer["results"]
+            if len(results) != len(part):
+                raise RewardServiceError(
+                    f"the server returned {len(results)} results for {len(part)} responses"
+                )
+            out.extend(results)
+        return out
+
+    def get_reward(
+        self,
+        queries: Sequence[str],
+        prompts: Sequence[str] | None = None,
+        labels: Sequence[Any] | None = None,
+    ) -> dict[str, Any]:
+        """OpenRLHF's call: `{"rewards", "scores", "extra_logs"}`."""
+        payload: dict[str, Any] = {"query": list(queries)}
+        if prompts is not None:
+            payload["prompts"] = list(prompts)
+        if labels is not None:
+            payload["labels"] = list(labels)
+        return self.request("POST", "/get_reward", payload)
+
+    def judge(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """V-Triune's call: `{"rewards": {"final_reward", ...}, "error"}`."""
+        return self.request("POST", "/judge", payload)
+
+    def health(self) -> dict[str, Any]:
+        return self.request("GET", "/health")
+
+    def ready(self) -> dict[str, Any]:
+        """The server's readiness (raises `RewardServiceUnavailable` while it is not ready)."""
+        return self.request("GET", "/ready")
+
+    def metrics(self) -> str:
+        return self.request("GET", "/metrics")
+
+    def wait_ready(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> dict[str, Any]:
+        """Poll `/ready` until a verifier worker is warm; `RewardServiceUnavailable` after `timeout_s`."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while True:
+            try:
+                response = self._http.get(self.url + "/ready")
+                if response.status_code == 200:
+                    return response.json()
+                last = f"HTTP {response.status_code}: {_detail(response)}"
+            except httpx.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise RewardServiceUnavailable(f"{self.url} not ready after {timeout_s:g}s: {last}")
+            time.sleep(poll_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RewardClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _detail(response: Any) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict) and "detail" in body:
+        return str(body["detail"])
+    return json.dumps(body)[:500]
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# RemoteRouter
+
+
+class RemotePendingRewards:
+    """Like `mmrl.router.PendingRewards`: rows are buffered as they are added and sent in
+    batches of `batch_size` on background threads; `result()` gathers them in row order."""
+
+    def __init__(self, router: RemoteRouter, context: VerifyContext, n_rows: int):
+        self.router = router
+        self.context = context
+        self._texts: list[str | None] = [None] * n_rows
+        self._futures: list[tuple[Future, int] | None] = [None] * n_rows
+        self._buffer: list[tuple[int, Sample, str]] = []
+        self._lock = threading.Lock()
+
+    def add(self, row: int, sample: Sample, text: str) -> None:
+        """Queue `text` as the response of row `row` (sent once `batch_size` rows are waiting)."""
+        with self._lock:
+            self._texts[row] = text
+            self._buffer.append((row, sample, text))
+            if len(self._buffer) >= self.router.batch_size:
+                self._flush()
+
+    def _flush(self) -> None:
+        rows, self._buffer = self._buffer, []
+        if not rows:
+            return
+        future = self.router._executor.submit(
+            self.router.client.score, [s for _, s, _ in rows], [t for _, _, t in rows], self.context
+        )
+        for k, (row, _, _) in enumerate(rows):
+            self._futures[row] = (future, k)
+
+    def result(self, samples: list[Sample], texts: list[str]):
+        """Every row's `VerifierResult` as a `mmrl.router.RewardBatch`. Rows never added, or
+        added with another text, are scored now. Raises `RewardServiceError` if the server
+        gives no answer."""
+        import torch
+
+        from mmrl.router import RewardBatch
+
+        if len(samples) != len(texts) or len(texts) != len(self._texts):
+            raise ValueError(f"{len(samples)} samples, {len(texts)} responses, {len(self._texts)} rows")
+        with self._lock:
+            for row, (sample, text) in enumerate(zip(samples, texts)):
+                if self._texts[row] != text:
+                    self._texts[row] = text
+                    self._buffer.append((row, sample, text))
+            self._flush()
+        results: list[VerifierResult] = []
+        errors: Counter = Counter()
+        timeouts: Counter = Counter()
+        for sample, entry in zip(samples, self._futures):
+            future, k = entry
+            result = future.result()[k]
+            if result.error is not None:
+                key = f"{sample.reward_model.verifier}/{sample.data_source}"
+                errors[key] += 1
+                if result.error.startswith("timeout"):
+                    timeouts[key] += 1
+                log.warning(
+                    "verifier %s failed on sample %s: %s",
+                    sample.reward_model.verifier,
+                    sample.id,
+                    result.error,
+                )
+            results.append(result)
+        scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+        return RewardBatch(results=results, scores=scores, errors=errors, timeouts=timeouts)
+
+
+class RemoteRouter:
+    """`mmrl.router.Router`'s interface (`start`, `submit`, `score`, `warm_up`, `close`) on a
+    remote `mmrl serve`: the trainer switches by constructing this instead of a `Router`.
+
+    Args:
+        url: the server (default: $MMRL_REWARD_URL); token: its bearer token ($MMRL_REWARD_TOKEN).
+        time_limit_s: accepted for symmetry with `Router`; the server enforces its own limit.
+        plugins: accepted for symmetry; the server must have been started with them.
+        batch_size: rows per request while responses stream in (`result()` sends the rest).
+        max_in_flight: concurrent requests.
+        client: a ready `RewardClient` (then url/token/timeouts are ignored).
+        **client_options: passed to `RewardClient` (timeout_s, retries, backoff_s, ...).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        time_limit_s: float = 5.0,
+        plugins: list[str] | tuple[str, ...] = (),
+        *,
+        batch_size: int = 64,
+        max_in_flight: int = 4,
+        client: RewardClient | None = None,
+        **client_options: Any,
+    ):
+        self.client = client or RewardClient(url, token, **client_options)
+        self.time_limit_s = time_limit_s
+        self.plugins = tuple(plugins)
+        self.batch_size = batch_size
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_in_flight, thread_name_prefix="mmrl-remote-reward"
+        )
+
+    def start(self, context: VerifyContext, n_rows: int) -> RemotePendingRewards:
+        """An empty pending batch; add responses with `.add(row, sample, text)` as they finish."""
+        return RemotePendingRewards(self, context, n_rows)
+
+    def submit(self, samples: list[Sample], texts: list[str], context: VerifyContext) -> RemotePendingRewards:
+        if len(samples) != len(texts):
+            raise ValueError(f"{len(samples)} samples but {len(texts)} responses")
+        pending = self.start(context, len(samples))
+        for row, (sample, text) in enumerate(zip(samples, texts)):
+            pending.add(row, sample, text)
+        return pending
+
+    def score(self, samples: list[Sample], texts: list[str], context: VerifyContext):
+        return self.submit(samples, texts, context).result(samples, texts)
+
+    def warm_up(self, timeout_s: float = 120.0) -> float:
+        """Wait until the server has a warm verifier worker; returns seconds. Raises
+        `RewardServiceUnavailable` if it never becomes ready, or `ValueError` if it lacks a
+        verifier that `plugins` would register here."""
+        start = time.monotonic()
+        info = self.client.wait_ready(timeout_s)
+        if self.plugins:
+            from mmrl.router import import_plugins
+            from mmrl.verifiers.registry import verifier_names
+
+            import_plugins(self.plugins)
+            missing = sorted(set(verifier_names()) - set(info.get("verifiers", [])))
+            if missing:
+                raise ValueError(
+                    f"the reward server at {self.client.url} lacks verifier(s) {missing}; start it with "
+                    f"plugins {list(self.plugins)}"
+                )
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self.client.close()
+
+    def __enter__(self) -> RemoteRouter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

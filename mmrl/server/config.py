@@ -1,0 +1,155 @@
+"""`ServeConfig`: every setting of the reward server, with its default and a one-line doc.
+
+Loading order: these defaults, then a YAML file (`mmrl serve --config F`), then the command-line
+flags (`--host`, `--port`, `--workers`). The bearer token may also come from the environment
+(`MMRL_SERVE_TOKEN`), which keeps it out of `ps` listings and shell history.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOKEN_ENV = "MMRL_SERVE_TOKEN"
+"""Environment variable holding the bearer token when the config does not set one."""
+
+LABEL_MODES = ("auto", "ground_truth", "reward_model")
+
+
+@dataclass
+class ServeConfig:
+    """Settings of `mmrl serve` (see `mmrl.server` for the endpoints)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; anything but a loopback address requires `token`."""
+    port: int = 8000
+    """TCP port to listen on (0 picks a free one, logged at start)."""
+    workers: int = 0
+    """Verifier worker processes (0: one per CPU core this process may use). HTTP is served by one
+    event loop that batches the samples of all open requests onto these workers."""
+    token: str | None = None
+    """Bearer token every request except `/health`, `/ready` and `/` must carry
+    (`Authorization: Bearer <token>`); also read from $MMRL_SERVE_TOKEN."""
+    time_limit_s: float = 5.0
+    """Per-sample verifier time limit; a timer stops slow Python code, and past
+    `time_limit_s + kill_grace_s` the worker process is killed and the sample gets an error."""
+    kill_grace_s: float = 1.0
+    """Extra time past `time_limit_s` before a stuck worker is killed and replaced."""
+    request_timeout_s: float = 60.0
+    """Per-request limit: samples not scored by then get an error result and are dropped from
+    the queue (the response still comes back, with status 200)."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest request body accepted; larger ones get 413 before they are read."""
+    max_batch: int = 4096
+    """Most responses one request may carry (413 beyond)."""
+    max_pending: int = 16384
+    """Most samples queued or being scored at once; a request that would exceed it gets 429 with
+    `Retry-After` (back-pressure instead of an unbounded queue)."""
+    retry_after_s: int = 1
+    """Seconds sent in `Retry-After` with a 429."""
+    max_chunk: int = 64
+    """Most samples sent to a worker in one message (samples of all requests are batched)."""
+    max_connections: int = 2048
+    """Open connections at most; uvicorn answers 503 beyond (see `limit_concurrency`)."""
+    keep_alive_s: float = 30.0
+    """Idle keep-alive connections are closed after this many seconds."""
+    default_verifier: str = "math"
+    """Verifier for `/get_reward` (OpenRLHF) labels that are a plain ground truth."""
+    label_mode: str = "auto"
+    """How `/get_reward` reads a label: `ground_truth` (the label is the ground truth for
+    `default_verifier`), `reward_model` (a JSON object with the sample's `reward_model` fields:
+    `ground_truth`, `verifier`, `verifier_params`, ratios; optionally `data_source`, `id`), or
+    `auto` (a JSON object with a `verifier` key is a reward_model, anything else a ground truth)."""
+    judge_format_ratio: float = 0.1
+    """`format_ratio` for `/judge` (V-Triune) payloads that omit it (their server's default)."""
+    check_images: bool = False
+    """Decode the images of `/score` samples and reject unreadable ones with 422; image paths
+    are then read from the server's disk (rule-based verifiers never look at pixels, so by
+    default images are only type-checked and never opened)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules to import (in the server and every worker) that register extra verifiers."""
+    check_cache_size: int = 4096
+    """Each worker remembers this many ground truths that passed the verifier's `check_sample`."""
+    access_log: bool = False
+    """Log one line per request (costs throughput)."""
+    log_level: str = "info"
+    """Log level of the server (debug, info, warning, error)."""
+
+    def resolved_workers(self) -> int:
+        """`workers`, with 0 meaning the number of CPU cores this process may run on."""
+        if self.workers > 0:
+            return self.workers
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not Linux
+            return max(1, os.cpu_count() or 1)
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the setting that is unusable."""
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0 (0: one per core), got {self.workers}")
+        if self.label_mode not in LABEL_MODES:
+            raise ValueError(f"label_mode must be one of {list(LABEL_MODES)}, got {self.label_mode!r}")
+        for name in ("time_limit_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kill_grace_s < 0:
+            raise ValueError(f"kill_grace_s must be >= 0, got {self.kill_grace_s}")
+        for name in ("max_body_bytes", "max_batch", "max_pending", "max_chunk", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_batch > self.max_pending:
+            raise ValueError(
+                f"max_batch ({self.max_batch}) must not exceed max_pending ({self.max_pending}): "
+                "a full batch could never be accepted"
+            )
+        if self.judge_format_ratio < 0:
+            raise ValueError(f"judge_format_ratio must be >= 0, got {self.judge_format_ratio}")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("token is empty; unset it or give a non-empty token")
+        if not is_loopback(self.host) and not self.token:
+            raise ValueError(
+                f"refusing to bind {self.host!r} without a token: the reward server accepts work from "
+                f"anyone who can reach it. Set a bearer token (${TOKEN_ENV} or `token:` in the config "
+                "file), or bind a loopback address such as 127.0.0.1"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def load_serve_config(
+    config_file: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> ServeConfig:
+    """Defaults <- YAML file <- `overrides` (fields set to None are skipped) <- $MMRL_SERVE_TOKEN
+    (only when no token is configured); validated."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.structured(ServeConfig)
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.exists():
+            raise FileNotFoundError(f"config file not found: {path}")
+        loaded = OmegaConf.create(path.read_text())
+        if not isinstance(loaded, type(OmegaConf.create({}))):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        merged = OmegaConf.merge(merged, loaded)
+    if overrides:
+        merged = OmegaConf.merge(merged, {k: v for k, v in overrides.items() if v is not None})
+    cfg: ServeConfig = OmegaConf.to_object(merged)
+    if cfg.token is None and os.environ.get(TOKEN_ENV):
+        cfg.token = os.environ[TOKEN_ENV]
+    cfg.validate()
+    return cfg

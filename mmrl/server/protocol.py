@@ -1,0 +1,585 @@
+"""The reward server's wire formats, and converters from them to mmrl samples.
+
+Three request shapes become the same unit of work, a `WireItem` (one response to one sample),
+and every check here raises `RequestError(status, message)` naming the field that is wrong
+(`samples[3].reward_model.verifier: unknown verifier 'mathh' (known: ...)`).
+
+**Native** `POST /score` (mmrl samples; one sample may be shared by several responses):
+
+    {"samples": [<sample record>, ...],          # mmrl / V-Triune records, see below
+     "responses": ["...", ...],
+     "sample_index": [0, 0, 1, ...],             # optional: responses[i] answers samples[sample_index[i]]
+     "context": {"step": 0, "total_steps": 1},   # optional
+     "timeout_s": 30}                            # optional, capped by the server's request_timeout_s
+    -> {"results": [{"id": ..., "score": 1.0, "components": {...}, "error": null,
+                     "extracted": "3"}, ...],
+        "errors": 0}
+
+A sample record is mmrl's (V-Triune's) sample format; only `reward_model` is required here:
+`{"data_source", "prompt", "images", "ability", "reward_model": {"ground_truth", "verifier",
+"verifier_params" (or V-Triune's "verifier_parm", an object or a JSON string), "accuracy_ratio",
+"format_ratio"}, "extra_info": {"id"}}`. Images may be local paths (on the server's disk), base64
+strings, `data:image/...;base64,...` URLs or `{"bytes": <base64>}` / `{"path": ...}` objects; rule-based
+verifiers never read pixels, so they are decoded only with `ServeConfig.check_images`.
+Without `sample_index`, `samples` and `responses` pair up one to one.
+
+**OpenRLHF** `POST /get_reward`: `{"query": [...], "prompts": [...], "labels": [...]}` ->
+`{"rewards": [...], "scores": [...], "extra_logs": {"accuracy": [...], "format": [...],
+"verifier_error": [...]}}`. `query[i]` is prompt + response; when it starts with `prompts[i]` the
+prompt is cut off, so a `\\boxed{}` in the prompt is never taken for the answer. How a label picks
+its verifier is `ServeConfig.label_mode`. Empty lists give empty lists.
+
+**V-Triune** `POST /judge`: their payload `{"response", "prompt", "answer", "solution",
+"data_source", "reward_verifier", "reward_verifier_parm" (JSON string), "format_ratio"
+(or "fmt_ratio"), "accuracy_ratio"}` -> `{"rewards": {"format_reward", "accuracy_reward",
+"reflection_reward", "final_reward", "<component>_reward"...}, "error": null}`. As in their
+server, `final_reward = (a * accuracy + f * format) / (a + f)` with `a` = accuracy_ratio
+(default 1.0) and `f` = format_ratio (default `ServeConfig.judge_format_ratio`, theirs: 0.1);
+their verifier names and parameters are mapped as `mmrl convert vtriune` maps them, and the
+runtime keys they add to `reward_verifier_parm` (`step`, `total_steps`, `image_grid_thw`, ...)
+become the verify context (`image_grid_thw` supplies `image_size` for normalised detection).
+
+Response text is data: it is handed to the verifiers as a string and never evaluated.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mmrl.types import RewardSpec, Sample, VerifierResult, VerifyContext
+
+WireItem = tuple
+"""(verifier, ground_truth, verifier_params, accuracy_ratio, format_ratio, data_source, sample_id,
+prompt, response, step, total_steps): what a worker process needs to score one response."""
+
+WireResult = tuple
+"""(score, components, error, extracted, invalid): a worker's answer for one item; `invalid` is
+`(field, problem)` when the verifier's `check_sample` rejected the sample, else None."""
+
+
+class RequestError(Exception):
+    """A request the server rejects: HTTP `status` and a message naming the problem."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def bad(where: str, problem: str) -> RequestError:
+    """422 naming the offending field."""
+    return RequestError(422, f"{where}: {problem}" if where else problem)
+
+
+def parse_json(body: bytes) -> Any:
+    """The request body as JSON, or 400 saying where it stops being JSON."""
+    if not body:
+        raise RequestError(400, "malformed JSON: the request body is empty")
+    try:
+        return json.loads(body)
+    except UnicodeDecodeError as exc:
+        raise RequestError(400, f"malformed JSON: the body is not UTF-8 ({exc.reason})") from None
+    except json.JSONDecodeError as exc:
+        raise RequestError(
+            400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise RequestError(400, "malformed JSON: nested too deeply") from None
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _object(value: Any, where: str, *, json_string: bool = False) -> dict:
+    if json_string and isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise bad(where, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(value, dict):
+        raise bad(where, f"must be an object, got {_type_name(value)}")
+    return value
+
+
+def _array(value: Any, where: str) -> list:
+    if not isinstance(value, list):
+        raise bad(where, f"must be an array, got {_type_name(value)}")
+    return value
+
+
+def _string(value: Any, where: str, *, empty_ok: bool = True) -> str:
+    if not isinstance(value, str):
+        raise bad(where, f"must be a string, got {_type_name(value)}")
+    if not empty_ok and not value:
+        raise bad(where, "must be a non-empty string")
+    return value
+
+
+def _ratio(value: Any, where: str, default: float, upper: float | None = 1.0) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(where, f"must be a number, got {_type_name(value)}")
+    if not (value >= 0 and (upper is None or value <= upper)):
+        raise bad(where, f"must be a number in [0, {upper if upper is not None else 'inf'}], got {value!r}")
+    return float(value)
+
+
+def _int(value: Any, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(where, f"must be an integer, got {_type_name(value)}")
+    if value < minimum:
+        raise bad(where, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _verifier(value: Any, where: str, known: frozenset[str]) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad(where, "missing (the name of the verifier that scores this sample)")
+    if value not in known:
+        raise bad(where, f"unknown verifier {value!r} (known: {', '.join(sorted(known))})")
+    return value
+
+
+def _reward_fields(reward: dict, where: str, known: frozenset[str]) -> tuple[str, Any, dict, float, float]:
+    """(verifier, ground_truth, params, accuracy_ratio, format_ratio) of a reward_model object."""
+    verifier = _verifier(reward.get("verifier"), f"{where}.verifier", known)
+    if reward.get("ground_truth") is None:
+        raise bad(f"{where}.ground_truth", "missing")
+    params = reward.get("verifier_params")
+    key = "verifier_params"
+    if params is None and reward.get("verifier_parm") is not None:
+        params, key = reward["verifier_parm"], "verifier_parm"
+    params = {} if params is None else _object(params, f"{where}.{key}", json_string=True)
+    accuracy = _ratio(reward.get("accuracy_ratio"), f"{where}.accuracy_ratio", 1.0)
+    fmt = _ratio(reward.get("format_ratio"), f"{where}.format_ratio", 0.0)
+    return verifier, reward["ground_truth"], params, accuracy, fmt
+
+
+def parse_context(value: Any, where: str = "context") -> VerifyContext:
+    """`{"step": int, "total_steps": int}` (both optional)."""
+    if value is None:
+        return VerifyContext()
+    value = _object(value, where)
+    step = _int(value.get("step", 0), f"{where}.step", 0)
+    total = _int(value.get("total_steps", 1), f"{where}.total_steps", 1)
+    return VerifyContext(step=step, total_steps=total)
+
+
+# ---------------------------------------------------------------------------------------------
+# Native /score
+
+
+def parse_record(
+    record: Any, where: str, known: frozenset[str], check_images: bool = False
+) -> tuple[str, Any, dict, float, float, str, str, Any]:
+    """One sample record -> (verifier, ground_truth, params, accuracy_ratio, format_ratio,
+    data_source, sample_id, prompt). Raises 422 naming `where.<field>`."""
+    record = _object(record, where)
+    if record.get("reward_model") is None:
+        raise bad(f"{where}.reward_model", "missing")
+    reward = _object(record["reward_model"], f"{where}.reward_model", json_string=True)
+    verifier, gt, params, accuracy, fmt = _reward_fields(reward, f"{where}.reward_model", known)
+    data_source = record.get("data_source")
+    data_source = (
+        "unknown" if data_source is None else _string(data_source, f"{where}.data_source", empty_ok=False)
+    )
+    extra = record.get("extra_info")
+    extra = {} if extra is None else _object(extra, f"{where}.extra_info", json_string=True)
+    sample_id = str(extra["id"]) if extra.get("id") is not None else where
+    prompt = record.get("prompt")
+    if prompt is not None and not isinstance(prompt, (str, list)):
+        raise bad(
+            f"{where}.prompt", f"must be a string or an array of chat messages, got {_type_name(prompt)}"
+        )
+    if isinstance(prompt, list):
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict) or "content" not in message:
+                raise bad(f"{where}.prompt[{i}]", "must be an object with 'role' and 'content'")
+    if record.get("ability") is not None:
+        _string(record["ability"], f"{where}.ability")
+    images = record.get("images")
+    if images is not None:
+        for i, image in enumerate(_array(images, f"{where}.images")):
+            check_image(image, f"{where}.images[{i}]", decode=check_images)
+    return verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt
+
+
+def check_image(item: Any, where: str, decode: bool) -> None:
+    """Type-check one image source; with `decode`, prove it is a readable image."""
+    if isinstance(item, dict):
+        if item.get("bytes"):
+            item = item["bytes"]
+        elif item.get("path"):
+            item = item["path"]
+        else:
+            raise bad(where, "an image object needs 'bytes' (base64) or 'path'")
+    if not isinstance(item, str):
+        raise bad(where, f"must be a path, a base64 string or {{'bytes'|'path'}}, got {_type_name(item)}")
+    if not decode:
+        return
+    from PIL import Image, UnidentifiedImageError
+
+    data: bytes | None = None
+    if item.startswith("data:image/") and ";base64," in item:
+        item = item.split(";base64,", 1)[1]
+        data = _b64(item, where)
+    elif not _is_file(item):
+        try:
+            data = base64.b64decode(item, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad(where, f"image file not found on the server (and not base64): {item[:200]}") from None
+    try:
+        with Image.open(io.BytesIO(data) if data is not None else item) as image:
+            image.load()
+    except FileNotFoundError:
+        raise bad(where, f"image file not found on the server: {item}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        what = f"{len(data)} bytes" if data is not None else item
+        raise bad(where, f"unreadable image ({what}): {type(exc).__name__}: {exc}") from None
+
+
+def _is_file(text: str) -> bool:
+    try:
+        return len(text) < 4096 and Path(text).is_file()
+    except OSError:
+        return False
+
+
+def _b64(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(where, "neither an existing path on the server nor valid base64") from None
+
+
+@dataclass
+class ParsedBatch:
+    """A request turned into work: one item per response, in response order."""
+
+    items: list[WireItem]
+    ids: list[str]
+    """The sample id of each response (echoed in the results)."""
+    wheres: list[str]
+    """Where each response's sample came from in the request (for error messages)."""
+    timeout_s: float | None = None
+    """The request's own time limit, if it set one (the server's `request_timeout_s` caps it)."""
+
+
+def parse_score_request(
+    data: Any, known: frozenset[str], max_batch: int, check_images: bool = False
+) -> ParsedBatch:
+    """The body of `POST /score`."""
+    data = _object(data, "body")
+    samples = _array(data.get("samples"), "samples") if "samples" in data else None
+    responses = _array(data.get("responses"), "responses") if "responses" in data else None
+    if samples is None:
+        raise bad("samples", "missing (an array of sample records)")
+    if responses is None:
+        raise bad("responses", "missing (an array of response strings)")
+    if len(responses) > max_batch:
+        raise RequestError(
+            413, f"responses: {len(responses)} responses exceed this server's limit of {max_batch}"
+        )
+    index = data.get("sample_index")
+    if index is None:
+        if len(samples) != len(responses):
+            raise bad(
+                "samples",
+                f"{len(samples)} samples but {len(responses)} responses (pair them one to one, or give "
+                "sample_index)",
+            )
+        index = range(len(responses))
+    else:
+        index = _array(index, "sample_index")
+        if len(index) != len(responses):
+            raise bad("sample_index", f"has {len(index)} entries for {len(responses)} responses")
+        for i, j in enumerate(index):
+            if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(samples):
+                raise bad(f"sample_index[{i}]", f"must be an integer in [0, {len(samples)}), got {j!r}")
+    context = parse_context(data.get("context"))
+    timeout_s = data.get("timeout_s")
+    if timeout_s is not None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise bad("timeout_s", f"must be a number of seconds > 0, got {timeout_s!r}")
+        timeout_s = float(timeout_s)
+    parsed: dict[int, tuple] = {}
+    items, ids, wheres = [], [], []
+    for i, (j, response) in enumerate(zip(index, responses)):
+        if not isinstance(response, str):
+            raise bad(f"responses[{i}]", f"must be a string, got {_type_name(response)}")
+        fields = parsed.get(j)
+        if fields is None:
+            fields = parsed[j] = parse_record(samples[j], f"samples[{j}]", known, check_images)
+        verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt = fields
+        items.append(
+            (verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt, response)
+            + (context.step, context.total_steps)
+        )
+        ids.append(sample_id)
+        wheres.append(f"samples[{j}]")
+    return ParsedBatch(items, ids, wheres, timeout_s)
+
+
+def result_json(sample_id: str, result: WireResult) -> dict[str, Any]:
+    score, components, error, extracted, _ = result
+    return {"id": sample_id, "score": score, "components": components, "error": error, "extracted": extracted}
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenRLHF /get_reward
+
+
+def parse_get_reward(
+    data: Any, known: frozenset[str], max_batch: int, label_mode: str, default_verifier: str
+) -> ParsedBatch:
+    """The body of OpenRLHF's `POST /get_reward`."""
+    data = _object(data, "body")
+    if "query" not in data:
+        raise bad("query", "missing (an array of prompt + response strings)")
+    queries = _array(data["query"], "query")
+    n = len(queries)
+    if n > max_batch:
+        raise RequestError(413, f"query: {n} queries exceed this server's limit of {max_batch}")
+    prompts = data.get("prompts")
+    if prompts is not None:
+        prompts = _array(prompts, "prompts")
+        if len(prompts) != n:
+            raise bad("prompts", f"has {len(prompts)} entries for {n} queries")
+    labels = data.get("labels")
+    if labels is None:
+        if n:
+            raise bad("labels", "missing (one label per query: its ground truth or reward_model JSON)")
+        labels = []
+    labels = _array(labels, "labels")
+    if len(labels) != n:
+        raise bad("labels", f"has {len(labels)} entries for {n} queries")
+    items, ids, wheres = [], [], []
+    for i, (query, label) in enumerate(zip(queries, labels)):
+        query = _string(query, f"query[{i}]")
+        response = query
+        if prompts is not None:
+            prompt = _string(prompts[i], f"prompts[{i}]")
+            if prompt and query.startswith(prompt):
+                response = query[len(prompt) :]
+        verifier, gt, params, accuracy, fmt, data_source, sample_id = _label(
+            label, f"labels[{i}]", known, label_mode, default_verifier
+        )
+        items.append((verifier, gt, params, accuracy, fmt, data_source, sample_id, None, response, 0, 1))
+        ids.append(sample_id)
+        wheres.append(f"labels[{i}]")
+    return ParsedBatch(items, ids, wheres)
+
+
+def _label(label: Any, where: str, known: frozenset[str], mode: str, default_verifier: str) -> tuple:
+    as_object = None
+    if mode != "ground_truth":
+        if isinstance(label, dict):
+            as_object = label
+        elif isinstance(label, str) and label.lstrip().startswith("{"):
+            try:
+                decoded = json.loads(label)
+            except json.JSONDecodeError as exc:
+                if mode == "reward_model":
+                    raise bad(where, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+                decoded = None
+            as_object = decoded if isinstance(decoded, dict) else None
+        if (
+            mode == "auto"
+            and as_object is not None
+            and "verifier" not in as_object
+            and "reward_model" not in as_object
+        ):
+            as_object = None
+        if mode == "reward_model" and as_object is None:
+            raise bad(where, f"must be a reward_model object (or its JSON), got {_type_name(label)}")
+    if as_object is None:
+        if label is None or isinstance(label, (dict, list)):
+            raise bad(
+                where, f"must be the ground truth for verifier {default_verifier!r}, got {_type_name(label)}"
+            )
+        verifier = _verifier(default_verifier, "default_verifier", known)
+        return verifier, label, {}, 1.0, 0.0, "openrlhf", where
+    if "reward_model" in as_object:  # a whole sample record
+        verifier, gt, params, accuracy, fmt, data_source, sample_id, _ = parse_record(as_object, where, known)
+        return verifier, gt, params, accuracy, fmt, data_source, sample_id
+    verifier, gt, params, accuracy, fmt = _reward_fields(as_object, where, known)
+    data_source = as_object.get("data_source", "openrlhf")
+    data_source = _string(data_source, f"{where}.data_source", empty_ok=False)
+    sample_id = str(as_object["id"]) if as_object.get("id") is not None else where
+    return verifier, gt, params, accuracy, fmt, data_source, sample_id
+
+
+def get_reward_json(results: Sequence[WireResult]) -> dict[str, Any]:
+    rewards = [r[0] for r in results]
+    return {
+        "rewards": rewards,
+        "scores": rewards,
+        "extra_logs": {
+            "accuracy": [float(r[1].get("accuracy", 0.0)) for r in results],
+            "format": [float(r[1].get("format", 0.0)) for r in results],
+            "verifier_error": [0.0 if r[2] is None else 1.0 for r in results],
+        }
+        if results
+        else {},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# V-Triune /judge
+
+JUDGE_FIELD_NAMES = {"reward_model.ground_truth": "solution", "reward_model.verifier": "reward_verifier"}
+
+
+def judge_field(field: str) -> str:
+    """An mmrl record field named as in V-Triune's payload."""
+    if field in JUDGE_FIELD_NAMES:
+        return JUDGE_FIELD_NAMES[field]
+    if field.startswith("reward_model.verifier_params"):
+        return "reward_verifier_parm" + field[len("reward_model.verifier_params") :]
+    return field
+
+
+def parse_judge(data: Any, known: frozenset[str], default_format_ratio: float) -> ParsedBatch:
+    """V-Triune's `/judge` payload -> one item (their verifier names and params mapped)."""
+    from mmrl.datasets.converters import VTRIUNE_RUNTIME_PARAMS, vtriune_record
+    from mmrl.datasets.schema import SampleError
+
+    data = _object(data, "body")
+    for name in ("response", "solution", "reward_verifier"):
+        if data.get(name) is None:
+            raise bad(name, "missing")
+    response = _string(data["response"], "response")
+    _string(data["reward_verifier"], "reward_verifier", empty_ok=False)
+    parm = data.get("reward_verifier_parm")
+    parm = {} if parm is None else dict(_object(parm, "reward_verifier_parm", json_string=True))
+    step = _int(parm.get("step", 0), "reward_verifier_parm.step", 0)
+    total = _int(parm.get("total_steps", 1) or 1, "reward_verifier_parm.total_steps", 1)
+    grid = parm.get("image_grid_thw")
+    if parm.get("det_verifier_normalized") is True and parm.get("image_size") is None and grid:
+        # V-Triune rescales boxes by the model input's size: (t, height, width) in pixels.
+        try:
+            parm["image_size"] = [float(grid[0][2]), float(grid[0][1])]
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise bad(
+                "reward_verifier_parm.image_grid_thw", f"expected [[t, height, width], ...], got {grid!r}"
+            ) from None
+    accuracy = _ratio(data.get("accuracy_ratio"), "accuracy_ratio", 1.0, upper=None)
+    fmt_key = "format_ratio" if data.get("format_ratio") is not None else "fmt_ratio"
+    fmt = _ratio(data.get(fmt_key), fmt_key, default_format_ratio, upper=None)
+    if accuracy + fmt <= 0:
+        raise bad("accuracy_ratio", "accuracy_ratio + format_ratio must be > 0")
+    data_source = data.get("data_source") or "vtriune"
+    data_source = _string(data_source, "data_source")
+    prompt = data.get("prompt")
+    if prompt is not None:
+        prompt = _string(prompt, "prompt")
+    record = {
+        "data_source": data_source,
+        "prompt": prompt,
+        "reward_model": {
+            "ground_truth": data["solution"],
+            "verifier": data["reward_verifier"],
+            "verifier_parm": {k: v for k, v in parm.items() if k not in VTRIUNE_RUNTIME_PARAMS},
+            "accuracy_ratio": accuracy / (accuracy + fmt),
+            "format_ratio": fmt / (accuracy + fmt),
+        },
+        "extra_info": {"id": "judge"},
+    }
+    if data.get("answer") is not None:
+        record["reward_model"]["answer"] = data["answer"]
+    try:
+        converted = vtriune_record(record, 0, where="")
+    except SampleError as exc:
+        raise bad(judge_field(exc.field), exc.problem) from None
+    reward = converted["reward_model"]
+    verifier = reward["verifier"]
+    if verifier not in known:
+        raise bad(
+            "reward_verifier",
+            f"unknown verifier {data['reward_verifier']!r} (known: {', '.join(sorted(known))}; V-Triune's "
+            "'mathverify' is mmrl's 'math')",
+        )
+    item = (
+        verifier,
+        reward["ground_truth"],
+        reward["verifier_params"],
+        reward["accuracy_ratio"],
+        reward["format_ratio"],
+        data_source,
+        "judge",
+        prompt,
+        response,
+        step,
+        total,
+    )
+    return ParsedBatch([item], ["judge"], [""])
+
+
+def judge_json(result: WireResult) -> dict[str, Any]:
+    score, components, error, _, _ = result
+    rewards = {
+        "format_reward": float(components.get("format", 0.0)),
+        "accuracy_reward": float(components.get("accuracy", 0.0)),
+        "reflection_reward": 0.0,
+        "final_reward": float(score),
+    }
+    for key, value in components.items():
+        if key not in ("format", "accuracy") and isinstance(value, (int, float)):
+            rewards[f"{key}_reward"] = float(value)
+    return {"rewards": rewards, "error": error}
+
+
+# ---------------------------------------------------------------------------------------------
+# Client side: mmrl objects <-> wire
+
+
+def sample_to_record(sample: Sample) -> dict[str, Any]:
+    """What the server needs of a sample to score responses to it (no prompt, no pixels: the
+    rule-based verifiers use neither)."""
+    rm = sample.reward_model
+    return {
+        "data_source": sample.data_source,
+        "reward_model": {
+            "ground_truth": rm.ground_truth,
+            "verifier": rm.verifier,
+            "verifier_params": rm.verifier_params,
+            "accuracy_ratio": rm.accuracy_ratio,
+            "format_ratio": rm.format_ratio,
+        },
+        "extra_info": {"id": sample.id},
+    }
+
+
+def result_from_json(value: dict[str, Any]) -> VerifierResult:
+    return VerifierResult(
+        score=float(value["score"]),
+        components=dict(value.get("components") or {}),
+        error=value.get("error"),
+        extracted=value.get("extracted"),
+    )
+
+
+def item_sample(item: WireItem) -> Sample:
+    """The `Sample` a worker scores (images are never sent to workers)."""
+    verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt = item[:8]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    return Sample(
+        data_source=data_source,
+        prompt=prompt or [],
+        images=[],
+        ability="",
+        reward_model=RewardSpec(gt, verifier, params, accuracy, fmt),
+        extra_info={"id": sample_id},
+    )

@@ -1,0 +1,616 @@
+"""The reward server as a real process on a loopback port, driven over HTTP.
+
+One server (two verifier workers, a bearer token, small limits so that every limit can be hit)
+serves the whole module; test plugins register verifiers that crash, hang in a way no timer
+signal can interrupt, raise, or sleep.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from PIL import Image
+
+from mmrl.datasets.procedural import make_samples
+from mmrl.router import Router
+from mmrl.server.app import start_server_process
+from mmrl.server.client import RemoteRouter, RewardClient, RewardServiceUnavailable
+from mmrl.server.config import ServeConfig
+from mmrl.types import RewardSpec, Sample, VerifyContext
+from mmrl.verifiers import get_verifier
+
+TOKEN = "test-token-123"
+
+PLUGIN = """
+import os, signal, time
+from mmrl.types import VerifierResult
+from mmrl.verifiers.registry import Verifier, register_verifier
+
+
+def _ok():
+    return VerifierResult(score=1.0, components={"accuracy": 1.0, "format": 1.0})
+
+
+@register_verifier("test_crash")
+class Crash(Verifier):
+    def score(self, response, sample, context):
+        if response == "crash":
+            os._exit(3)
+        return _ok()
+
+
+@register_verifier("test_hang")
+class Hang(Verifier):
+    def score(self, response, sample, context):
+        if response == "hang":
+            # Like SymPy stuck in C code: the verifier's timer signal never gets through.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+            time.sleep(3600)
+        return _ok()
+
+
+@register_verifier("test_raise")
+class Raise(Verifier):
+    def score(self, response, sample, context):
+        raise ValueError("boom")
+
+
+@register_verifier("test_slow")
+class Slow(Verifier):
+    def score(self, response, sample, context):
+        time.sleep(0.05)
+        return _ok()
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    plugin_dir = tmp_path_factory.mktemp("plugins")
+    (plugin_dir / "mmrl_test_plugins.py").write_text(PLUGIN)
+    cfg = ServeConfig(
+        port=0,
+        workers=2,
+        token=TOKEN,
+        time_limit_s=1.0,
+        kill_grace_s=0.5,
+        request_timeout_s=60.0,
+        max_body_bytes=256 * 1024,
+        max_batch=64,
+        max_pending=96,
+        check_images=True,
+        plugins=["mmrl_test_plugins"],
+    )
+    with start_server_process(cfg, env={"PYTHONPATH": str(plugin_dir)}) as proc:
+        yield proc
+
+
+@pytest.fixture()
+def http(server):
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+    ) as client:
+        yield client
+
+
+@pytest.fixture()
+def client(server):
+    with RewardClient(server.url, TOKEN, retries=0) as c:
+        yield c
+
+
+def record(verifier: str, ground_truth, **reward) -> dict:
+    return {
+        "data_source": "test",
+        "reward_model": {"ground_truth": ground_truth, "verifier": verifier, **reward},
+    }
+
+
+def expected(sample: Sample, response: str, context: VerifyContext | None = None):
+    return get_verifier(sample.reward_model.verifier)(response, sample, context or VerifyContext())
+
+
+def responses_for(sample: Sample) -> list[str]:
+    gt = sample.reward_model.ground_truth
+    if sample.reward_model.verifier == "detection":
+        shifted = [{**b, "bbox_2d": [c + 2 for c in b["bbox_2d"]]} for b in gt]
+        return [json.dumps(gt), f"<answer>{json.dumps(shifted)}</answer>", "no boxes"]
+    return [f"\\boxed{{{gt}}}", "\\boxed{7}", "I cannot tell"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoints
+
+
+def test_health_ready_and_vtriune_root_answer_without_a_token(server):
+    with httpx.Client(base_url=server.url) as anonymous:
+        assert anonymous.get("/health").json() == {"status": "ok"}
+        ready = anonymous.get("/ready")
+        assert ready.status_code == 200
+        assert ready.json()["ready"] is True and ready.json()["workers_ready"] == 2
+        assert {"math", "detection", "test_crash"} <= set(ready.json()["verifiers"])
+        # V-Triune's client refuses a server whose root does not say exactly this.
+        assert anonymous.get("/").json()["message"] == "Reward Judge Server"
+
+
+def test_native_scores_equal_the_in_process_verifiers(client):
+    samples = make_samples(["colour_code", "arithmetic", "detection", "grounding"], 8, "train")
+    rows = [(s, r) for s in samples for r in responses_for(s)]
+    context = VerifyContext(step=30, total_steps=100)  # the detection IoU threshold depends on it
+    results = client.score([s for s, _ in rows], [r for _, r in rows], context)
+    assert len(results) == len(rows)
+    for (sample, response), got in zip(rows, results):
+        want = expected(sample, response, context)
+        assert (got.score, got.components, got.error, got.extracted) == (
+            want.score,
+            want.components,
+            want.error,
+            want.extracted,
+        ), sample.id
+    assert any(r.score == 1.0 for r in results) and any(r.score == 0.0 for r in results)
+
+
+def test_one_sample_can_answer_several_responses_and_ids_come_back_in_order(http):
+    body = {
+        "samples": [
+            {**record("math", "12"), "extra_info": {"id": "a"}},
+            {**record("math", "\\frac{1}{2}"), "extra_info": {"id": "b"}},
+        ],
+        "responses": ["\\boxed{0.5}", "\\boxed{12}", "\\boxed{13}", "\\boxed{1/2}"],
+        "sample_index": [1, 0, 0, 1],
+    }
+    answer = http.post("/score", json=body).json()
+    assert [(r["id"], r["score"]) for r in answer["results"]] == [
+        ("b", 1.0),
+        ("a", 1.0),
+        ("a", 0.0),
+        ("b", 1.0),
+    ]
+    assert answer["errors"] == 0
+
+
+def _png(colour=(255, 0, 0)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_images_as_local_path_base64_and_data_url_are_accepted(http, tmp_path):
+    path = tmp_path / "red.png"
+    path.write_bytes(_png())
+    b64 = base64.b64encode(_png((0, 255, 0))).decode()
+    sample = {
+        **record("math", "3"),
+        "prompt": [{"role": "user", "content": "<image><image><image><image>How many?"}],
+        "images": [str(path), b64, f"data:image/png;base64,{b64}", {"bytes": b64}],
+    }
+    answer = http.post("/score", json={"samples": [sample], "responses": ["\\boxed{3}"]})
+    assert answer.status_code == 200 and answer.json()["results"][0]["score"] == 1.0
+
+    missing = {**sample, "images": [str(tmp_path / "nope.png")]}
+    answer = http.post("/score", json={"samples": [missing], "responses": ["\\boxed{3}"]})
+    assert answer.status_code == 422
+    assert "samples[0].images[0]" in answer.json()["detail"] and "not found" in answer.json()["detail"]
+
+
+def test_openrlhf_empty_lists_give_empty_lists(http):
+    answer = http.post("/get_reward", json={"query": [], "prompts": [], "labels": []})
+    assert answer.status_code == 200
+    assert answer.json() == {"rewards": [], "scores": [], "extra_logs": {}}
+
+
+def test_openrlhf_labels_are_ground_truths_or_reward_model_json(http):
+    prompt = "Is it \\boxed{4}? Answer in \\boxed{}. "
+    boxes = [{"bbox_2d": [10, 10, 30, 30], "label": "cat"}]
+    detection_label = json.dumps(
+        {"verifier": "detection", "ground_truth": boxes, "verifier_params": {"iou_threshold": 0.5}}
+    )
+    body = {
+        "query": [prompt + "\\boxed{4}", prompt + "I don't know", "\\boxed{5}", json.dumps(boxes)],
+        "prompts": [prompt, prompt, "", ""],
+        "labels": ["4", "4", "4", detection_label],
+    }
+    answer = http.post("/get_reward", json=body).json()
+    # The second query's only \boxed{4} is the prompt's: cut off, the response has no answer.
+    assert answer["rewards"] == [1.0, 0.0, 0.0, 1.0]
+    assert answer["scores"] == answer["rewards"]
+    assert answer["extra_logs"] == {
+        "accuracy": [1.0, 0.0, 0.0, 1.0],
+        "format": [1.0, 0.0, 1.0, 1.0],
+        "verifier_error": [0.0, 0.0, 0.0, 0.0],
+    }
+
+
+def _vtriune_payload(**changes) -> dict:
+    parm = {
+        "is_training": True,
+        "step": 50,
+        "total_steps": 100,
+        "image_grid_thw": None,
+        "image_path": ["/x.png"],
+    }
+    payload = {
+        "response": "<think>\nadd them\n</think>\n<answer>\n\\boxed{4}\n</answer>",
+        "prompt": "What is 2 + 2?",
+        "answer": "4",
+        "solution": "<answer> 4 </answer>",
+        "data_source": "toy_math",
+        "reward_verifier": "mathverify",
+        "reward_verifier_parm": json.dumps(parm),
+        "format_ratio": 0.1,
+    }
+    payload.update(changes)
+    return payload
+
+
+def test_vtriune_judge_scores_their_payload_as_their_server_mixes_it(client):
+    answer = client.judge(_vtriune_payload())
+    assert answer["error"] is None
+    assert answer["rewards"]["accuracy_reward"] == 1.0 and answer["rewards"]["format_reward"] == 1.0
+    assert answer["rewards"]["final_reward"] == pytest.approx(1.0)
+    # Wrong answer, structure intact: final = (1.0 * 0 + 0.1 * 1) / 1.1, as V-Triune computes it.
+    wrong = client.judge(_vtriune_payload(response="<think>\nx\n</think>\n<answer>\n\\boxed{5}\n</answer>"))
+    assert wrong["rewards"]["accuracy_reward"] == 0.0
+    assert wrong["rewards"]["final_reward"] == pytest.approx(0.1 / 1.1)
+    # No format_ratio: V-Triune's default 0.1 applies; one of four tags missing -> format 0.75.
+    partial = _vtriune_payload(response="<think>\nx\n</think>\n<answer>\n\\boxed{4}")
+    del partial["format_ratio"]
+    partial = client.judge(partial)
+    assert partial["rewards"]["format_reward"] == 0.75
+    assert partial["rewards"]["final_reward"] == pytest.approx((1.0 + 0.1 * 0.75) / 1.1)
+
+
+def test_vtriune_judge_normalised_detection_takes_the_image_size_from_image_grid_thw(client):
+    # Ground truth on Qwen2-VL's 0-1000 grid; the prediction in pixels of a 200 x 100 model input.
+    gt = "<answer> [{'bbox_2d': [100, 200, 500, 600], 'label': 'dog'}] </answer>"
+    prediction = json.dumps([{"bbox_2d": [20, 20, 100, 60], "label": "dog"}])
+    parm = {
+        "det_verifier_normalized": True,
+        "step": 90,
+        "total_steps": 100,
+        "image_grid_thw": [[1, 100, 200]],
+    }
+    payload = _vtriune_payload(
+        response=f"<answer>{prediction}</answer>",
+        solution=gt,
+        reward_verifier="detection",
+        reward_verifier_parm=json.dumps(parm),
+        format_ratio=0.0,
+    )
+    answer = client.judge(payload)
+    sample = Sample(
+        "toy",
+        [],
+        [],
+        "",
+        RewardSpec(
+            [{"bbox_2d": [100, 200, 500, 600], "label": "dog"}],
+            "detection",
+            {"normalized": True, "image_size": [200, 100]},
+        ),
+        {"id": "x"},
+    )
+    want = expected(sample, f"<answer>{prediction}</answer>", VerifyContext(90, 100))
+    assert answer["rewards"]["final_reward"] == pytest.approx(want.score) and want.score == 1.0
+    assert answer["rewards"]["iou_max_label_first_reward"] == want.components["iou_max_label_first"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: a 4xx naming the problem, never a 5xx
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", "/score", b'{"samples": [', 400, "malformed JSON"),
+    ("not an object", "/score", b"[1, 2]", 422, "body: must be an object"),
+    ("JSON nested too deeply", "/score", b"[" * 5000 + b"]" * 5000, 400, "malformed JSON: nested too deeply"),
+    (
+        "responses not an array",
+        "/score",
+        {"samples": [record("math", "1")], "responses": "\\boxed{1}"},
+        422,
+        "responses: must be an array",
+    ),
+    (
+        "a response not a string",
+        "/score",
+        {"samples": [record("math", "1")], "responses": [1]},
+        422,
+        "responses[0]: must be a string",
+    ),
+    (
+        "a ratio of the wrong type",
+        "/score",
+        {"samples": [record("math", "1", accuracy_ratio="high")], "responses": ["x"]},
+        422,
+        "samples[0].reward_model.accuracy_ratio: must be a number",
+    ),
+    (
+        "unknown verifier",
+        "/score",
+        {"samples": [record("mathh", "1")], "responses": ["x"]},
+        422,
+        "samples[0].reward_model.verifier: unknown verifier 'mathh'",
+    ),
+    (
+        "ground truth the verifier rejects",
+        "/score",
+        {"samples": [record("detection", "no boxes here")], "responses": ["x"]},
+        422,
+        "samples[0].reward_model.ground_truth: holds no valid box",
+    ),
+    (
+        "unknown verifier parameter value",
+        "/score",
+        {"samples": [record("math", "1", verifier_params={"format": "weird"})], "responses": ["x"]},
+        422,
+        "samples[0].reward_model.verifier_params.format",
+    ),
+    (
+        "samples and responses of different lengths",
+        "/score",
+        {"samples": [record("math", "1")] * 2, "responses": ["x"]},
+        422,
+        "2 samples but 1 responses",
+    ),
+    (
+        "batch over the limit",
+        "/score",
+        {"samples": [record("math", "1")] * 65, "responses": ["x"] * 65},
+        413,
+        "65 responses exceed this server's limit of 64",
+    ),
+    (
+        "oversize body",
+        "/score",
+        b'{"pad": "' + b"x" * 300_000 + b'"}',
+        413,
+        "exceeds this server's limit of 262144 bytes",
+    ),
+    (
+        "labels missing",
+        "/get_reward",
+        {"query": ["\\boxed{1}"], "prompts": ["p"]},
+        422,
+        "labels: missing",
+    ),
+    (
+        "label the default verifier cannot take",
+        "/get_reward",
+        {"query": ["\\boxed{1}"], "labels": [[1, 2]]},
+        422,
+        "labels[0]: must be the ground truth for verifier 'math'",
+    ),
+    (
+        "judge without solution",
+        "/judge",
+        {"response": "x", "reward_verifier": "mathverify"},
+        422,
+        "solution: missing",
+    ),
+    (
+        "judge with unknown verifier",
+        "/judge",
+        _vtriune_payload(reward_verifier="ocr_v9"),
+        422,
+        "reward_verifier: unknown verifier 'ocr_v9'",
+    ),
+    (
+        "judge with bad parm JSON",
+        "/judge",
+        _vtriune_payload(reward_verifier_parm="{step: 1"),
+        422,
+        "reward_verifier_parm: not valid JSON",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "path", "body", "status", "message"), BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS]
+)
+def test_bad_input_gets_a_4xx_naming_the_problem(http, case, path, body, status, message):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    answer = http.post(path, content=content, headers={"Content-Type": "application/json"})
+    assert answer.status_code == status, answer.text
+    assert message in answer.json()["detail"]
+
+
+def test_a_ground_truth_too_deep_to_hand_to_a_worker_is_that_sample_s_error(http):
+    deep: list = []
+    for _ in range(700):  # JSON parses it; pickle, which carries it to a worker, cannot
+        deep = [deep]
+    body = {"samples": [record("detection", deep), record("math", "2")], "responses": ["[]", "\\boxed{2}"]}
+    answer = http.post("/score", json=body)
+    assert answer.status_code == 200
+    first, second = answer.json()["results"]
+    assert first["score"] == 0.0 and "cannot send this sample to a verifier worker" in first["error"]
+    assert second["score"] == 1.0 and second["error"] is None
+
+
+def test_a_missing_or_wrong_token_is_401(server):
+    body = {"samples": [record("math", "1")], "responses": ["\\boxed{1}"]}
+    with httpx.Client(base_url=server.url) as anonymous:
+        answer = anonymous.post("/score", json=body)
+        assert answer.status_code == 401 and "missing bearer token" in answer.json()["detail"]
+        assert answer.headers["www-authenticate"] == "Bearer"
+        answer = anonymous.post("/score", json=body, headers={"Authorization": "Bearer wrong"})
+        assert answer.status_code == 401 and "invalid bearer token" in answer.json()["detail"]
+        assert anonymous.get("/metrics").status_code == 401
+
+
+def test_the_server_refuses_to_bind_beyond_loopback_without_a_token(monkeypatch, capsys):
+    from mmrl.server import main
+
+    monkeypatch.delenv("MMRL_SERVE_TOKEN", raising=False)
+    assert main(["--host", "0.0.0.0", "--port", "1"]) == 2
+    assert "refusing to bind '0.0.0.0' without a token" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Verifiers that crash, hang or raise
+
+
+def test_crashing_hanging_and_raising_verifiers_give_error_results_and_serving_goes_on(client, http):
+    rows = [
+        (record("test_crash", "-"), "fine"),
+        (record("test_crash", "-"), "crash"),
+        (record("math", "2"), "\\boxed{2}"),
+        (record("test_hang", "-"), "hang"),
+        (record("test_raise", "-"), "anything"),
+        (record("test_hang", "-"), "fine"),
+    ]
+    results = client.score_records([r for r, _ in rows], [t for _, t in rows])
+    assert [r["score"] for r in results] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert results[0]["error"] is None and results[2]["error"] is None and results[5]["error"] is None
+    assert "worker process died while scoring this sample (exit code 3)" in results[1]["error"]
+    assert results[3]["error"].startswith("timeout") and "worker process was killed" in results[3]["error"]
+    assert results[4]["error"] == "ValueError: boom"
+    # Still serving: with both workers (replacements warm up in the background) or without.
+    again = http.post("/score", json={"samples": [record("math", "3")], "responses": ["\\boxed{3}"]})
+    assert again.status_code == 200 and again.json()["results"][0]["score"] == 1.0
+    metrics = http.get("/metrics").text
+    assert 'mmrl_verifier_errors_total{verifier="test_crash",kind="crash"} 1' in metrics
+    assert 'mmrl_verifier_errors_total{verifier="test_hang",kind="timeout"} 1' in metrics
+    assert 'mmrl_verifier_errors_total{verifier="test_raise",kind="error"} 1' in metrics
+    restarts = [line for line in metrics.splitlines() if line.startswith("mmrl_worker_restarts_total ")]
+    assert float(restarts[0].split()[1]) >= 2
+
+
+def test_a_full_queue_answers_429_with_retry_after_and_the_client_retries(server, http):
+    slow = {"samples": [record("test_slow", "-")], "responses": ["x"] * 60, "sample_index": [0] * 60}
+    first: list[httpx.Response] = []
+    thread = threading.Thread(target=lambda: first.append(http.post("/score", json=slow)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while http.get("/ready").json()["pending"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    more = {"samples": [record("test_slow", "-")], "responses": ["x"] * 40, "sample_index": [0] * 40}
+    answer = http.post("/score", json=more)
+    assert answer.status_code == 429, answer.text
+    assert answer.headers["retry-after"] == "1" and "server busy" in answer.json()["detail"]
+    # The client waits and retries; once the first request drains, its request goes through.
+    with RewardClient(server.url, TOKEN, retries=8, backoff_s=0.2, max_backoff_s=1.0) as patient:
+        results = patient.score_records(more["samples"], more["responses"], sample_index=more["sample_index"])
+    assert [r["score"] for r in results] == [1.0] * 40
+    thread.join()
+    assert first[0].status_code == 200
+
+
+def test_a_request_past_its_time_limit_answers_with_timeout_errors_for_the_rest(http):
+    body = {"samples": [record("test_slow", "-")], "responses": ["x"] * 40, "sample_index": [0] * 40}
+    answer = http.post("/score", json={**body, "timeout_s": 0.3})
+    assert answer.status_code == 200
+    results = answer.json()["results"]
+    late = [r for r in results if r["error"] is not None]
+    assert late, "40 samples of 50 ms on two workers cannot all be scored in 0.3 s"
+    assert all(r["error"].startswith("timeout: the request's 0.3s limit passed") for r in late)
+    assert all(r["score"] == 1.0 for r in results if r["error"] is None)
+    # What was still queued is dropped, not scored for nobody: the queue drains.
+    deadline = time.monotonic() + 30
+    while http.get("/ready").json()["pending"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert http.get("/ready").json()["pending"] == 0
+
+
+def test_metrics_are_prometheus_text_with_requests_latency_and_errors(http):
+    http.post("/score", json={"samples": [record("math", "1")], "responses": ["\\boxed{1}"]})
+    answer = http.get("/metrics")
+    assert answer.headers["content-type"].startswith("text/plain")
+    text = answer.text
+    assert "# TYPE mmrl_requests_total counter" in text
+    assert 'mmrl_requests_total{endpoint="/score",status="200"}' in text
+    assert "# TYPE mmrl_request_duration_seconds histogram" in text
+    assert 'mmrl_request_duration_seconds_bucket{endpoint="/score",le="+Inf"}' in text
+    assert 'mmrl_samples_total{verifier="math"}' in text
+    assert "mmrl_workers_ready" in text and "mmrl_pending_samples" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Client side: veRL, TRL, RemoteRouter
+
+
+def test_verl_compute_score_reads_the_server_from_the_environment(server, monkeypatch):
+    from mmrl.integrations import verl
+
+    monkeypatch.setenv("MMRL_REWARD_URL", server.url)
+    monkeypatch.setenv("MMRL_REWARD_TOKEN", TOKEN)
+    verl.reset_default_client()
+    try:
+        assert verl.compute_score("geo3k", "so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+        assert verl.compute_score("geo3k", "so \\boxed{2}", "0.5", extra_info={"index": 3}) == 0.0
+        boxes = [{"bbox_2d": [1, 1, 20, 20], "label": "cat"}]
+        extra = {"reward_model": {"verifier": "detection", "verifier_params": {"iou_threshold": 0.5}}}
+        assert verl.compute_score("coco", json.dumps(boxes), boxes, extra_info=extra) == 1.0
+        batch = verl.compute_score_batch(["a", "b"], ["\\boxed{1}", "\\boxed{3}"], ["1", "2"], [None, None])
+        assert batch == [1.0, 0.0]
+    finally:
+        verl.reset_default_client()
+
+
+def test_verl_factory_returns_verl_dicts_and_picks_verifiers_by_data_source(server):
+    from mmrl.integrations.verl import make_compute_score
+
+    compute = make_compute_score(server.url, TOKEN, verifiers_by_source={"mcq": "choice"}, return_dict=True)
+    assert compute("toy", "\\boxed{4}", "4") == {"score": 1.0, "accuracy": 1.0, "format": 1.0, "error": 0.0}
+    choice = compute("mcq", "\\boxed{B}", "B", extra_info={"verifier_params": {"options": ["red", "blue"]}})
+    assert choice["score"] == 1.0
+
+
+def test_trl_reward_function_scores_plain_and_conversational_completions(server):
+    from mmrl.integrations.trl import make_reward_function
+
+    reward = make_reward_function(server.url, TOKEN, name="mmrl_math")
+    assert reward.__name__ == "mmrl_math"
+    prompts = ["What is 1+1?"] * 3
+    assert reward(
+        prompts=prompts, completions=["\\boxed{2}", "\\boxed{3}", "no idea"], solution=["2"] * 3
+    ) == [
+        1.0,
+        0.0,
+        0.0,
+    ]
+    conversational = [
+        [{"role": "assistant", "content": "\\boxed{2}"}],
+        [{"role": "assistant", "content": [{"type": "text", "text": "\\boxed{5}"}]}],
+    ]
+    boxes = [{"bbox_2d": [1, 1, 20, 20], "label": "cat"}]
+    rm = [
+        {"ground_truth": "2", "verifier": "math"},
+        json.dumps({"ground_truth": boxes, "verifier": "detection"}),
+    ]
+    conversational[1][0]["content"][0]["text"] = json.dumps(boxes)
+    scores = reward(prompts=prompts[:2], completions=conversational, reward_model=rm, trainer_state=None)
+    assert scores == [1.0, 1.0]
+    with pytest.raises(KeyError, match="needs a 'reward_model' or a 'ground_truth / solution / answer'"):
+        reward(prompts=prompts, completions=["x"] * 3, other=[1, 2, 3])
+
+
+def test_remote_router_gives_the_in_process_router_results(server):
+    samples = make_samples(["colour_code", "count", "detection"], 6, "train")
+    rows = [s for s in samples for _ in range(2)]
+    texts = [responses_for(s)[i % 2] for i, s in enumerate(rows)]
+    context = VerifyContext(step=3, total_steps=10)
+    with Router(num_workers=0) as local, RemoteRouter(server.url, TOKEN, batch_size=5) as remote:
+        assert remote.warm_up() >= 0.0
+        want = local.score(rows, texts, context)
+        got = remote.score(rows, texts, context)
+        assert got.scores.tolist() == want.scores.tolist()
+        assert [r.components for r in got.results] == [r.components for r in want.results]
+        assert got.errors == want.errors
+        # Streaming: rows added as they finish, one re-added with another text, one never added.
+        pending = remote.start(context, len(rows))
+        for row in range(len(rows) - 1):
+            pending.add(row, rows[row], "\\boxed{0}" if row == 2 else texts[row])
+        again = pending.result(rows, texts)
+        assert again.scores.tolist() == want.scores.tolist()
+
+
+def test_remote_router_errors_surface_when_the_server_is_unreachable():
+    router = RemoteRouter("http://127.0.0.1:9", retries=2, backoff_s=0.01, connect_timeout_s=1.0)
+    sample = make_samples(["colour_code"], 1, "train")[0]
+    with router, pytest.raises(RewardServiceUnavailable, match="failed after 3 attempt"):
+        router.score([sample], ["\\boxed{1}"], VerifyContext())
