@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 import re
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
-from mmrl.types import IMAGE_PLACEHOLDER, ImageSource, RewardSpec, Sample
+from mmrl.types import IMAGE_PLACEHOLDER, ImageError, ImageSource, RewardSpec, Sample, load_image
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/=\s]+")
 
@@ -159,13 +158,9 @@ def _check_images(images: Any, base_dir: Path | None, check: bool, fail) -> list
         source = _image_source(item, base_dir, field, fail)
         if check:
             try:
-                with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
-                    im.load()
-            except FileNotFoundError:
-                raise fail(field, f"image file not found: {source}") from None
-            except (UnidentifiedImageError, OSError, SyntaxError) as exc:
-                what = source if isinstance(source, str) else f"{len(source)} bytes"
-                raise fail(field, f"unreadable image ({what}): {exc}") from None
+                load_image(source)
+            except ImageError as exc:
+                raise fail(field, str(exc)) from None
         out.append(source)
     return out
 

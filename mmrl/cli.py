@@ -17,6 +17,7 @@ main options (any config field can be set as key=value; see configs/<task>.yaml)
   optim.lr=LR                 learning rate
   algo.kl_coef=C              KL penalty to the frozen reference (0: off)
   trainer.run_dir=DIR         where the run is written
+  trainer.checkpoint_every=N  write a resumable checkpoint every N steps
   data.train_files=[a.jsonl]  train on sample files instead of the built-in task
 
 examples:
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p_train = sub.add_parser(
         "train",
         help="train a policy with RL",
-        description=f"Train a policy with GRPO. Tasks: {', '.join(tasks)}.",
+        description=f"Train a VLM with GRPO, or a diffusion model with flow-GRPO (text_to_image). Tasks: {', '.join(tasks)}.",
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -73,6 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--config", metavar="FILE", help="YAML config merged over the task recipe")
     p_train.add_argument(
         "--model", metavar="PATH", help="local Hugging Face VLM folder (default: the built-in tiny base)"
+    )
+    p_train.add_argument(
+        "--resume",
+        metavar="auto|CHECKPOINT",
+        help="continue a run: `auto` picks the newest complete checkpoint in trainer.run_dir",
+    )
+    p_train.add_argument(
+        "--dump-steps",
+        action="store_true",
+        help="write every step's intermediate results to <run_dir>/dumps/",
     )
     p_train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
@@ -139,6 +150,24 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def _train_diffusion(args: argparse.Namespace, overrides: list[str]) -> int:
+    """flow-GRPO on a diffusion pipeline (`configs/<task>.yaml` with `kind: diffusion`)."""
+    from mmrl.train.flow_config import load_flow_config
+    from mmrl.train.flow_grpo import run_text_to_image
+
+    if args.resume or args.dump_steps:
+        print("mmrl train: error: --resume and --dump-steps are VLM-trainer options", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_flow_config(args.task, args.config, overrides)
+        result = run_text_to_image(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"mmrl train: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.summary_line())
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     from mmrl.datasets.converters import convert
     from mmrl.datasets.schema import SampleError
@@ -171,12 +200,29 @@ def _train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.model:
         overrides.append(f"model.path={args.model}")
+    if args.resume:
+        overrides.append(f"trainer.resume={args.resume}")
+    if args.dump_steps:
+        overrides.append("trainer.dump_steps=true")
+    from mmrl.train.flow_config import is_diffusion_task
+
+    if is_diffusion_task(args.task):
+        return _train_diffusion(args, overrides)
     try:
         cfg = load_config(task=args.task, config_file=args.config, overrides=overrides)
         result = train(cfg)
     except (SampleError, ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # e.g. too many non-finite steps in a row
+        print(f"mmrl train: stopped: {exc}", file=sys.stderr)
+        return 1
+    if result.interrupted:
+        print(
+            f"interrupted at step {result.steps}; checkpoint written. Continue with: "
+            f"mmrl train --task {args.task} trainer.run_dir={result.run_dir} --resume auto ..."
+        )
+        return 0
     print(
         f"done in {result.seconds:.0f}s: greedy held-out accuracy {result.start_accuracy:.3f} -> "
         f"{result.final_accuracy:.3f} ({100 * (result.final_accuracy - result.start_accuracy):+.1f} points); "

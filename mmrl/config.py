@@ -252,6 +252,18 @@ class TrainerConfig:
     """torch CPU threads; 0: leave torch's default."""
     save_final: bool = True
     """Save the final policy in Hugging Face format under `<run_dir>/final`."""
+    checkpoint_every: int = 0
+    """Write a resumable checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)."""
+    keep_last: int = 2
+    """Checkpoints to keep (the newest); 0 keeps all."""
+    keep_best: bool = True
+    """Also keep the checkpoint with the best greedy held-out accuracy."""
+    resume: str | None = None
+    """`auto`: continue from the newest complete checkpoint in `run_dir` (start fresh if there is
+    none); a checkpoint folder: continue from it; None: start fresh."""
+    max_consecutive_skips: int = 5
+    """Stop the run (the last good checkpoint intact) after this many steps in a row were skipped
+    for non-finite rewards, losses or gradients."""
     progress: bool = True
     """Show a progress bar."""
     eval_suite: str | None = None
@@ -322,6 +334,10 @@ class Config:
                 "algo.overlong_buffer must be < rollout.max_new_tokens",
             ),
             (self.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
+            (
+                not self.trainer.resume or bool(self.trainer.run_dir),
+                "trainer.resume needs trainer.run_dir (the run to continue)",
+            ),
             (
                 self.algo.old_logprobs in ("recompute", "rollout"),
                 "algo.old_logprobs must be recompute or rollout",

@@ -114,18 +114,56 @@ class Sample:
         }
 
 
+class ImageError(ValueError):
+    """An image that cannot be used: unreadable, truncated, or too large."""
+
+
+MAX_IMAGE_PIXELS = 64_000_000
+"""Images with more pixels are refused (a decompression bomb, or a mistake): 64 megapixels is
+far beyond what a VLM processor keeps (Qwen2-VL caps at ~1 megapixel by default)."""
+
+
 def load_image(src: ImageSource) -> Image.Image:
-    """Decode an image source to an RGB PIL image."""
-    if isinstance(src, Image.Image):
-        image = src
-    elif isinstance(src, (bytes, bytearray)):
-        image = Image.open(io.BytesIO(src))
-    elif isinstance(src, (str, Path)):
-        image = Image.open(src)
-    else:
-        raise TypeError(f"unsupported image source of type {type(src).__name__}")
+    """Decode an image source to an RGB PIL image (any mode converted: palette, alpha, 16-bit,
+    CMYK, ...). Raises `ImageError` naming the problem for unreadable, truncated or huge images."""
+    what = (
+        "image"
+        if isinstance(src, Image.Image)
+        else (f"{len(src)} bytes" if isinstance(src, (bytes, bytearray)) else str(src))
+    )
+    try:
+        if isinstance(src, Image.Image):
+            image = src
+        elif isinstance(src, (bytes, bytearray)):
+            image = Image.open(io.BytesIO(src))
+        elif isinstance(src, (str, Path)):
+            image = Image.open(src)
+        else:
+            raise TypeError(f"unsupported image source of type {type(src).__name__}")
+        width, height = image.size
+        if width * height > MAX_IMAGE_PIXELS:
+            raise ImageError(
+                f"{what}: {width}x{height} pixels is more than the limit of {MAX_IMAGE_PIXELS:,}"
+            )
+        if width == 0 or height == 0:
+            raise ImageError(f"{what}: empty image ({width}x{height})")
+        image.load()  # decode now: a truncated file fails here, not inside the processor
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise ImageError(f"{what}: refused as a decompression bomb ({exc})") from None
+    except FileNotFoundError:
+        raise ImageError(f"{what}: image file not found") from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ImageError(f"{what}: unreadable or truncated image ({exc})") from None
     if image.mode != "RGB":
-        image = image.convert("RGB")
+        if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+            # Transparent pixels become white (what a viewer shows), not black.
+            background = Image.new("RGB", image.size, (255, 255, 255))
+            background.paste(image.convert("RGBA"), mask=image.convert("RGBA").getchannel("A"))
+            image = background
+        else:
+            image = image.convert("RGB")
     return image
 
 

@@ -80,7 +80,7 @@ def test_valid_records_load_with_images_as_base64_path_and_bytes_object(tmp_path
         (
             {"images": ["data:image/png;base64," + base64.b64encode(b"not a png").decode()]},
             "images[0]",
-            "unreadable image",
+            "unreadable or truncated image",
         ),
         ({"images": []}, "prompt", "1 '<image>' placeholder(s) but the record has 0 image(s)"),
         ({"prompt": [{"role": "robot", "content": "hi"}]}, "prompt[0].role", "system/user/assistant"),

@@ -40,6 +40,8 @@ def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
         raise ValueError("data.train_files is set: give data.heldout_files too")
     if not train:
         raise ValueError("no training samples")
+    if not heldout:
+        raise ValueError("no held-out samples (data.heldout_files or data.num_heldout)")
     return train, heldout
 
 
@@ -56,6 +58,15 @@ class PromptSampler:
         self.order = self.rng.permutation(len(samples))
         self.cursor = 0
         self.cot_pool = tuple(cot_pool)
+
+    def state_dict(self) -> dict:
+        """Where the sampler is: its random generator, the epoch's order and the cursor."""
+        return {"rng": self.rng.bit_generator.state, "order": self.order.tolist(), "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self.order = np.asarray(state["order"])
+        self.cursor = int(state["cursor"])
 
     def next(self, n: int) -> list[Sample]:
         out = []

@@ -23,6 +23,8 @@ import json
 import logging
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ from mmrl.algos.advantages import clip_advantages, get_advantage_estimator
 from mmrl.algos.dapo import informative_groups, overlong_penalty, truncation_mask
 from mmrl.algos.kl import kl_estimate, kl_penalized_rewards
 from mmrl.algos.tis import tis_weights
-from mmrl.config import Config
+from mmrl.config import Config, config_to_yaml
 from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_for_saving, param_groups
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
@@ -45,6 +47,15 @@ from mmrl.rewards.router_bridge import score_model_rewards
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch, Router
 from mmrl.train.batching import select_rows
+from mmrl.train.checkpoint import (
+    apply_retention,
+    find_resume_checkpoint,
+    load_model_weights,
+    load_trainer_state,
+    save_checkpoint,
+    set_rng_state,
+    verify_checkpoint,
+)
 from mmrl.train.data import PromptSampler, cot_pool, load_data
 from mmrl.train.dumps import write_step_dump
 from mmrl.train.evaluation import evaluate
@@ -69,6 +80,8 @@ class TrainResult:
     """Best greedy held-out accuracy seen at any evaluation (reported, never substituted)."""
     steps: int
     seconds: float
+    interrupted: bool = False
+    """Stopped early by SIGINT / SIGTERM (a checkpoint was written)."""
 
 
 @dataclass
@@ -102,11 +115,17 @@ def train(cfg: Config) -> TrainResult:
     sampler = PromptSampler(train_samples, seed=cfg.trainer.seed, cot_pool=cot_pool(cfg))
     run_dir = create_run_dir(cfg)
 
-    # 3. Policy (LoRA / frozen parts), reference, rollout engine, router, optimizer.
+    # 3. Policy (LoRA / frozen parts), reference, rollout engine, router, optimizer; then the
+    #    checkpoint to resume from, if any (its weights replace the policy's, not the reference's).
     model_path = Path(cfg.model.path) if cfg.model.path else builtin_base(cfg)
     t = make_trainee(cfg, load_policy(model_path), run_dir)
+    progress = RunProgress()
+    resumed = resume_from(cfg, t, sampler, progress, run_dir)
     t.router.warm_up()
-    metrics_log = MetricsLogger(run_dir)
+    # A resumed run drops what the crashed one logged after its checkpoint; `resume=auto` with
+    # no checkpoint yet starts the files over.
+    keep_until = progress.step if resumed else (-1 if cfg.trainer.resume else None)
+    metrics_log = MetricsLogger(run_dir, resume_after=keep_until)
     total = cfg.trainer.total_steps
 
     def run_eval(step: int) -> float:
@@ -123,23 +142,38 @@ def train(cfg: Config) -> TrainResult:
         log.info("step %d: greedy held-out accuracy %.3f", step, metrics["eval/accuracy"])
         return metrics["eval/accuracy"]
 
-    # 4. The loop: one step per rollout batch, greedy evaluation every `eval_every` steps.
+    # 4. The loop: one step per rollout batch, greedy evaluation every `eval_every` steps,
+    #    a checkpoint every `checkpoint_every` steps and when SIGINT / SIGTERM asks to stop.
+    stop = StopRequest()
     try:
-        start_acc = best_acc = final_acc = run_eval(0)
-        bar = tqdm(range(1, total + 1), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True)
-        for step in bar:
-            metrics = grpo_step(cfg, t, sampler, VerifyContext(step - 1, total), step=step)
-            metrics_log.log(step, metrics)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{final_acc:.3f}")
-            if step % cfg.trainer.eval_every == 0 or step == total:
-                final_acc = run_eval(step)
-                best_acc = max(best_acc, final_acc)
-        bar.close()
+        with stop.installed():
+            if not resumed:
+                progress.start_acc = progress.best_acc = progress.final_acc = run_eval(0)
+            first = progress.step + 1
+            bar = tqdm(
+                range(first, total + 1), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True
+            )
+            for step in bar:
+                metrics = grpo_step(cfg, t, sampler, VerifyContext(step - 1, total), step=step)
+                metrics_log.log(step, metrics)
+                progress.step = step
+                guard_skips(cfg, progress, metrics, step, run_dir)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{progress.final_acc:.3f}")
+                if step % cfg.trainer.eval_every == 0 or step == total:
+                    progress.final_acc = run_eval(step)
+                    progress.best_acc = max(progress.best_acc, progress.final_acc)
+                every = cfg.trainer.checkpoint_every
+                if (every and step % every == 0) or step == total or stop.requested:
+                    write_checkpoint(cfg, t, sampler, progress, run_dir)
+                if stop.requested:
+                    log.warning("stopping at step %d on %s; checkpoint written", step, stop.signal_name)
+                    break
+            bar.close()
     finally:
         t.router.close()
         metrics_log.close()
 
-    # 5. Final checkpoint (HF format; LoRA adapters merged, and saved alone too), curves, summary.
+    # 5. Final policy (HF format; LoRA adapters merged, and saved alone too), curves, summary.
     if cfg.trainer.save_final:
         merged_copy_for_saving(t.policy.model).save_pretrained(run_dir / "final")
         t.policy.processor.save_pretrained(run_dir / "final")
@@ -148,16 +182,125 @@ def train(cfg: Config) -> TrainResult:
     plot_training_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
     result = TrainResult(
         run_dir=run_dir,
-        start_accuracy=start_acc,
-        final_accuracy=final_acc,
-        best_accuracy=best_acc,
-        steps=total,
+        start_accuracy=progress.start_acc,
+        final_accuracy=progress.final_acc,
+        best_accuracy=progress.best_acc,
+        steps=progress.step,
         seconds=time.monotonic() - t_start,
+        interrupted=stop.requested,
     )
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
     summary["model_path"] = str(model_path)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return result
+
+
+@dataclass
+class RunProgress:
+    """Counters a resumed run must continue from."""
+
+    step: int = 0
+    start_acc: float = float("nan")
+    best_acc: float = float("nan")
+    final_acc: float = float("nan")
+    consecutive_skips: int = 0
+    skipped_steps: int = 0
+
+
+class StopRequest:
+    """SIGINT / SIGTERM set a flag; the loop writes a checkpoint after the current step and
+    stops. A second signal while stopping is not caught again (the default action runs)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name = ""
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def handler(signum, frame):
+            self.requested, self.signal_name = True, signal.Signals(signum).name
+            signal.signal(signum, previous[signum])  # a second signal is not swallowed
+
+        for sig in previous:
+            signal.signal(sig, handler)
+        try:
+            yield
+        finally:
+            for sig, h in previous.items():
+                signal.signal(sig, h)
+
+
+def write_checkpoint(
+    cfg: Config, t: Trainee, sampler: PromptSampler, progress: RunProgress, run_dir: Path
+) -> Path:
+    state = {
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
+        "sampler": sampler.state_dict(),
+        "progress": progress.__dict__.copy(),
+    }
+    path = save_checkpoint(
+        run_dir,
+        progress.step,
+        t.policy.model,
+        t.policy.processor,
+        state,
+        config_to_yaml(cfg),
+        metric=progress.final_acc,
+    )
+    apply_retention(run_dir, cfg.trainer.keep_last, cfg.trainer.keep_best)
+    return path
+
+
+def resume_from(
+    cfg: Config, t: Trainee, sampler: PromptSampler, progress: RunProgress, run_dir: Path
+) -> bool:
+    """Restore weights, optimizer, scheduler, sampler position, RNG states and counters from
+    `trainer.resume` (`auto`: the newest complete checkpoint of the run). True if resumed."""
+    if not cfg.trainer.resume:
+        return False
+    if cfg.trainer.resume == "auto":
+        ckpt = find_resume_checkpoint(run_dir)
+        if ckpt is None:
+            log.info("resume=auto: no complete checkpoint in %s; starting fresh", run_dir)
+            return False
+        path = ckpt.path
+    else:
+        path = Path(cfg.trainer.resume)
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise ValueError(f"trainer.resume={path}: not a usable checkpoint: {problem}")
+    load_model_weights(t.policy.model, path / "model")
+    state = load_trainer_state(path)
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    progress.__dict__.update(state["progress"])
+    set_rng_state(state["rng"])
+    log.info("resumed from %s at step %d", path, progress.step)
+    return True
+
+
+def guard_skips(
+    cfg: Config, progress: RunProgress, metrics: dict[str, float], step: int, run_dir: Path
+) -> None:
+    """Count steps that did not update the policy; too many in a row stop the run."""
+    updates = cfg.trainer.mini_batches * cfg.trainer.ppo_epochs
+    skipped = metrics.get("guard/skipped_step", 0.0) > 0 or metrics.get("actor/skipped_steps", 0.0) >= updates
+    progress.skipped_steps += int(skipped)
+    progress.consecutive_skips = progress.consecutive_skips + 1 if skipped else 0
+    if progress.consecutive_skips >= cfg.trainer.max_consecutive_skips:
+        last = find_resume_checkpoint(run_dir)
+        raise RuntimeError(
+            f"{progress.consecutive_skips} steps in a row (up to step {step}) were skipped for non-finite "
+            f"rewards, losses or gradients; stopping. The last good checkpoint is "
+            f"{last.path if last else 'none (set trainer.checkpoint_every)'}; see the warnings above for the sample ids."
+        )
 
 
 def check_model_reward_names(cfg: Config, samples: list) -> None:
@@ -224,6 +367,18 @@ def grpo_step(
     t1 = time.monotonic()
     valid = torch.tensor([r.error is None for r in rewards.results])
     dropped = ~valid if cfg.reward.on_error == "drop" else torch.zeros_like(valid)
+    # Numeric guard: a non-finite reward means a broken verifier or reward model; the step is
+    # skipped (no update), counted, and the offending samples named.
+    bad = ~torch.isfinite(rewards.scores)
+    if bad.any():
+        ids = sorted({batch.samples[i].id for i in bad.nonzero().flatten().tolist()})
+        log.warning("step %d: non-finite reward for samples %s: step skipped", step, ids[:20])
+        return {
+            "guard/skipped_step": 1.0,
+            "guard/nonfinite_rewards": float(bad.sum()),
+            "reward/mean": float(rewards.scores[~bad].mean()) if (~bad).any() else float("nan"),
+            "time/step_s": time.monotonic() - t0,
+        }
     # b. Reward shaping and loss masks.
     scores = rewards.scores.clone()
     lengths = batch.response_mask.sum(dim=1)
@@ -270,6 +425,7 @@ def grpo_step(
     metrics.update(mismatch)
     metrics.update(step_metrics(batch, rewards, advantages, G))
     metrics["verifier/dropped"] = float(dropped.sum())
+    metrics["guard/skipped_step"] = 0.0
     if a.overlong_buffer > 0 or a.kl_in_reward:
         metrics["reward/shaped_mean"] = float(scores.mean())
     if cfg.trainer.dump_steps and t.run_dir is not None:

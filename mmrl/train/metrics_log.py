@@ -8,12 +8,24 @@ from pathlib import Path
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path):
+    """Appends to `metrics.jsonl` and TensorBoard. With `resume_after=k` (a resumed run), lines
+    and events of steps after k (written by the run that crashed) are dropped first, so the
+    files read as if the run had never stopped."""
+
+    def __init__(self, run_dir: Path, resume_after: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = run_dir / "metrics.jsonl"
+        if resume_after is not None and self.path.exists():
+            kept = [
+                line
+                for line in self.path.read_text(encoding="utf-8").splitlines()
+                if _step_of(line) <= resume_after
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         self._file = self.path.open("a", encoding="utf-8")
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        purge = None if resume_after is None else resume_after + 1
+        self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step}
@@ -29,6 +41,13 @@ class MetricsLogger:
         self._file.close()
         self._tb.flush()
         self._tb.close()
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")  # a torn last line of a killed run: dropped
 
 
 def read_metrics(path: Path) -> list[dict]:

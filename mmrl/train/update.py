@@ -166,7 +166,11 @@ def update_policy(
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 if finite:
-                    log.warning("non-finite gradient norm: optimizer step skipped")
+                    bad_ids = sorted({batch.samples[r].id for r in mb_rows})
+                    log.warning(
+                        "non-finite gradient in the mini-batch of samples %s: optimizer step skipped",
+                        bad_ids[:20],
+                    )
                 continue
             optimizer.step()
             grad_norms.append(float(grad_norm))

@@ -18,3 +18,15 @@ class HangOnMarked(MathVerifier):
         if sample.extra_info.get("hang"):
             re.match(r"(a+)+$", "a" * 64 + "b")  # exponential backtracking in C
         return super().score(response, sample, context)
+
+
+@register_verifier("nan_on_marked")
+class NaNOnMarked(MathVerifier):
+    """The math verifier, except that samples with `extra_info["nan"]` score NaN (a broken
+    reward the trainer's numeric guard must catch)."""
+
+    def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
+        result = super().score(response, sample, context)
+        if sample.extra_info.get("nan"):
+            result.score = float("nan")
+        return result

@@ -1,0 +1,315 @@
+"""Configuration of flow-GRPO on diffusion models (`mmrl train --task text_to_image`).
+
+    cfg = load_flow_config("text_to_image", overrides=["trainer.total_steps=20"])
+
+Same pattern as `mmrl.config`: these dataclasses hold every default (each field documented
+under it), `configs/<task>.yaml` the recipe, then `--config FILE`, then `key=value` overrides;
+OmegaConf rejects unknown keys and wrong types with the full key name. A recipe is a diffusion
+recipe when its top level says `kind: diffusion` (`is_diffusion_task`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from mmrl.models.tiny_diffusion import TinyDiffusionSpec
+
+LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
+
+
+@dataclass
+class FlowModelConfig:
+    """The text-to-image pipeline being trained."""
+
+    path: str | None = None
+    """Local diffusers pipeline folder (SD3 / SD3.5 / FLUX). None: the built-in tiny pipeline."""
+    tiny: TinyDiffusionSpec = field(default_factory=TinyDiffusionSpec)
+    """Shape of the built-in tiny pipeline (`tiny.family=flux` for FLUX)."""
+    seed: int = 0
+    """Seed of the built-in tiny pipeline's random weights."""
+    cache_dir: str | None = None
+    """Where the built-in pipeline is saved; default `$MMRL_CACHE` or `~/.cache/mmrl`."""
+    dtype: str = "float32"
+    """Weights dtype of the loaded pipeline: float32, bfloat16 or float16 (LoRA weights and the
+    SDE arithmetic stay float32)."""
+    max_sequence_length: int = 0
+    """T5 tokens per prompt; 0: 256 for a loaded pipeline, 8 for the built-in one (no T5: zeros)."""
+
+
+@dataclass
+class FlowDataConfig:
+    """Prompts."""
+
+    task: str = "text_to_image"
+    """Task name (names the run directory)."""
+    prompts: list[str] = field(default_factory=list)
+    """Training prompts; empty: `prompt_file`, else the built-in list (`mmrl.datasets.prompts_t2i`)."""
+    prompt_file: str | None = None
+    """Text file of training prompts, one per line."""
+    eval_prompts: list[str] = field(default_factory=list)
+    """Evaluation prompts; empty: the built-in held-out prompts."""
+
+
+@dataclass
+class FlowSampleConfig:
+    """How images are sampled (rollouts and evaluation)."""
+
+    resolution: int = 64
+    """Image side in pixels."""
+    num_steps: int = 10
+    """Denoising steps of a training rollout."""
+    eval_num_steps: int = 20
+    """Denoising steps of the ODE-only evaluation (denoising reduction: train few, evaluate many)."""
+    guidance_scale: float = 1.0
+    """Classifier-free guidance scale of rollouts (1: none; flow-GRPO uses 4.5 on SD3.5)."""
+    eval_guidance_scale: float | None = None
+    """Guidance scale of evaluation; None: `guidance_scale`."""
+    group_size: int = 8
+    """G: images per prompt; advantages are normalised within each prompt's group."""
+    noise_level: float = 0.7
+    """a: the SDE's noise level."""
+    sde_type: str = "sde"
+    """`sde` (flow-GRPO) or `cps` (coefficients-preserving sampling)."""
+    sde_window_size: int = 0
+    """Steps taken with the SDE (and trained) per rollout, a window placed at random
+    (Flow-GRPO-Fast); 0: every step is an SDE step."""
+    sde_window_range: list[int] = field(default_factory=list)
+    """[lo, hi): where the window may lie; empty: anywhere in the schedule."""
+    same_latent: bool = False
+    """The G images of a prompt start from the same initial noise (seeded per prompt and step)."""
+    negative_prompt: str = ""
+    """Negative prompt of classifier-free guidance."""
+    batch_size: int = 0
+    """Images per sampling call (bounds memory); 0: the whole rollout batch at once."""
+
+
+@dataclass
+class FlowRewardConfig:
+    """Image rewards (`mmrl.rewards`), combined with weights."""
+
+    names: list[str] = field(default_factory=lambda: ["jpeg_compressibility"])
+    """Registered reward models (`mmrl.rewards.reward_model_names()`)."""
+    weights: list[float] = field(default_factory=lambda: [1.0])
+    """One weight per reward."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constructor arguments per reward name, e.g. {aesthetic: {weights: /models/aes.pt}}."""
+    combine: str = "sum"
+    """`sum`: the weighted sum is the reward, normalised per prompt; `gdpo`: each reward is
+    normalised per prompt, then weighted, summed and batch-normalised (GDPO)."""
+
+
+@dataclass
+class FlowAlgoConfig:
+    """The flow-GRPO objective."""
+
+    clip_range: float = 1e-4
+    """PPO clip range of the per-step ratio (log-probs are per-element means, so ratios stay near 1)."""
+    adv_clip_max: float = 5.0
+    """Advantages are clamped to [-adv_clip_max, adv_clip_max]."""
+    global_std: bool = True
+    """Divide the per-prompt centred rewards by the batch's std instead of the group's."""
+    adv_eps: float = 1e-4
+    """Added to the std before dividing."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference on the predicted mean (0: no reference pass)."""
+    timestep_fraction: float = 1.0
+    """Fraction of the SDE steps trained per update (a random subset, at least one)."""
+    train_cfg: bool = True
+    """With guidance_scale > 1, recompute log-probs with guidance, as sampled (False: train the
+    conditional velocity alone; needs old_logprobs=recompute)."""
+    old_logprobs: str = "rollout"
+    """`rollout`: the sampler's log-probs; `recompute`: a no-grad trainer pass before the update."""
+
+
+@dataclass
+class FlowLoraConfig:
+    """LoRA on the transformer (peft); disabled means full fine-tuning."""
+
+    enabled: bool = True
+    """Train LoRA adapters; False trains every transformer weight."""
+    rank: int = 32
+    """LoRA rank r."""
+    alpha: int = 64
+    """LoRA alpha (scale alpha / r)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Module name suffixes that get adapters (SD3 and FLUX attention projections)."""
+    init: str = "gaussian"
+    """peft `init_lora_weights` (B = 0 either way: training starts from the base model)."""
+
+
+@dataclass
+class FlowOptimConfig:
+    """AdamW on the trainable weights."""
+
+    lr: float = 3e-4
+    """Learning rate (constant, as flow-GRPO)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: off)."""
+
+
+@dataclass
+class FlowTrainerConfig:
+    """The loop."""
+
+    total_steps: int = 100
+    """RL steps (one rollout batch each)."""
+    prompts_per_step: int = 4
+    """B: prompts per rollout batch (B x G images)."""
+    mini_batches: int = 2
+    """Optimizer steps per inner epoch (the batch is split; each accumulates over its trained steps)."""
+    inner_epochs: int = 1
+    """Passes over each rollout batch."""
+    eval_every: int = 10
+    """Steps between ODE evaluations (also at step 0 and at the end); 0: only those two."""
+    eval_size: int = 8
+    """Evaluation prompts (one image each, fixed seed; the grid PNG shows them)."""
+    ema: bool = True
+    """Keep an EMA of the trainable weights and evaluate / save it."""
+    ema_decay: float = 0.9
+    """EMA decay per update (warmed up as min(decay, (1 + n) / (10 + n)))."""
+    ema_every: int = 1
+    """Optimizer steps between EMA updates."""
+    seed: int = 0
+    """Seed of prompts order, initial noise and SDE noise."""
+    run_dir: str | None = None
+    """Run directory; default `runs/<task>-<timestamp>`."""
+    threads: int = 0
+    """torch CPU threads; 0: leave torch's default."""
+    save_final: bool = True
+    """Save the final pipeline (EMA weights, LoRA merged) under `<run_dir>/final`."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclass
+class FlowConfig:
+    """Everything a flow-GRPO run needs."""
+
+    kind: str = "diffusion"
+    """Marks a diffusion recipe (the CLI dispatches on it)."""
+    model: FlowModelConfig = field(default_factory=FlowModelConfig)
+    """The pipeline: a local folder or the built-in tiny one."""
+    data: FlowDataConfig = field(default_factory=FlowDataConfig)
+    """Training and evaluation prompts."""
+    sample: FlowSampleConfig = field(default_factory=FlowSampleConfig)
+    """Rollout and evaluation sampling."""
+    reward: FlowRewardConfig = field(default_factory=FlowRewardConfig)
+    """Rewards and how they are combined."""
+    algo: FlowAlgoConfig = field(default_factory=FlowAlgoConfig)
+    """The objective."""
+    lora: FlowLoraConfig = field(default_factory=FlowLoraConfig)
+    """LoRA or full fine-tuning."""
+    optim: FlowOptimConfig = field(default_factory=FlowOptimConfig)
+    """Optimizer."""
+    trainer: FlowTrainerConfig = field(default_factory=FlowTrainerConfig)
+    """Loop, evaluation, EMA, run directory."""
+
+    def __post_init__(self) -> None:
+        s, a, t, r = self.sample, self.algo, self.trainer, self.reward
+        checks = [
+            (self.kind == "diffusion", "kind must be diffusion"),
+            (self.model.tiny.family in ("sd3", "flux"), "model.tiny.family must be sd3 or flux"),
+            (
+                self.model.dtype in ("float32", "bfloat16", "float16"),
+                "model.dtype must be float32, bfloat16 or float16",
+            ),
+            (s.group_size >= 2, "sample.group_size must be >= 2 (advantages are relative to the group)"),
+            (s.num_steps >= 1 and s.eval_num_steps >= 1, "sample.num_steps and eval_num_steps must be >= 1"),
+            (s.sde_type in ("sde", "cps"), "sample.sde_type must be sde or cps"),
+            (s.noise_level > 0, "sample.noise_level must be > 0"),
+            (0 <= s.sde_window_size <= s.num_steps, "sample.sde_window_size must be in [0, num_steps]"),
+            (len(s.sde_window_range) in (0, 2), "sample.sde_window_range must be [] or [lo, hi]"),
+            (len(r.names) >= 1, "reward.names must name at least one reward"),
+            (len(r.weights) == len(r.names), "reward.weights must have one weight per reward.names entry"),
+            (r.combine in ("sum", "gdpo"), "reward.combine must be sum or gdpo"),
+            (a.clip_range > 0, "algo.clip_range must be > 0"),
+            (a.adv_clip_max > 0, "algo.adv_clip_max must be > 0"),
+            (a.kl_coef >= 0, "algo.kl_coef must be >= 0"),
+            (0 < a.timestep_fraction <= 1, "algo.timestep_fraction must be in (0, 1]"),
+            (a.old_logprobs in ("rollout", "recompute"), "algo.old_logprobs must be rollout or recompute"),
+            (
+                a.train_cfg or s.guidance_scale <= 1 or a.old_logprobs == "recompute",
+                "algo.train_cfg=false with guidance needs algo.old_logprobs=recompute "
+                "(the rollout's log-probs are the guided policy's)",
+            ),
+            (self.lora.rank >= 1, "lora.rank must be >= 1"),
+            (t.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
+            (
+                t.mini_batches >= 1 and t.inner_epochs >= 1,
+                "trainer.mini_batches and inner_epochs must be >= 1",
+            ),
+            (
+                (t.prompts_per_step * s.group_size) % t.mini_batches == 0,
+                "trainer.mini_batches must divide prompts_per_step * sample.group_size",
+            ),
+            (0 < t.ema_decay < 1 and t.ema_every >= 1, "trainer.ema_decay must be in (0, 1), ema_every >= 1"),
+            (t.eval_size >= 1, "trainer.eval_size must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"invalid config: {message}")
+
+
+def load_flow_config(
+    task: str = "text_to_image",
+    config_file: str | Path | None = None,
+    overrides: list[str] | None = None,
+) -> FlowConfig:
+    """Defaults <- task recipe <- config file <- `key=value` overrides, validated."""
+    merged = OmegaConf.structured(FlowConfig)
+    if task is not None:
+        recipe = resources.files("mmrl.configs") / f"{task}.yaml"
+        if not recipe.is_file():
+            raise ValueError(f"unknown task {task!r}: no configs/{task}.yaml")
+        merged = OmegaConf.merge(merged, _yaml(recipe.read_text(), f"configs/{task}.yaml"))
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.exists():
+            raise FileNotFoundError(f"config file not found: {path}")
+        merged = OmegaConf.merge(merged, _yaml(path.read_text(), str(path)))
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ValueError(f"overrides must be key=value, got {bad}")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+    return OmegaConf.to_object(merged)
+
+
+def is_diffusion_task(task: str) -> bool:
+    """True when `configs/<task>.yaml` says `kind: diffusion` at its top level."""
+    recipe = resources.files("mmrl.configs") / f"{task}.yaml"
+    if not recipe.is_file():
+        return False
+    conf = OmegaConf.create(recipe.read_text())
+    return isinstance(conf, type(OmegaConf.create({}))) and conf.get("kind") == "diffusion"
+
+
+def _yaml(text: str, where: str) -> Any:
+    conf = OmegaConf.create(text)
+    if conf is None or not isinstance(conf, type(OmegaConf.create({}))):
+        raise ValueError(f"{where}: expected a mapping at the top level")
+    return conf
+
+
+def flow_config_to_yaml(cfg: FlowConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

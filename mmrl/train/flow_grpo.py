@@ -1,0 +1,668 @@
+"""Flow-GRPO on a text-to-image pipeline (SD3 / FLUX): the whole training loop, top to bottom.
+
+One step (`flow_grpo_step`):
+  1. take B prompts; sample G images each with the SDE sampler (`mmrl.rollout.diffusion`),
+     recording latents and log-probs at the SDE steps (all steps, or a random window)
+  2. score the images with the configured rewards (weighted sum, or GDPO's per-reward
+     normalisation)
+  3. per-prompt advantages (group or global std), clipped
+  4. old log-probs: the rollout's, or a no-grad recomputation
+  5. per inner epoch, the B x G rows are shuffled and split into mini-batches; per mini-batch,
+     for each trained step j: recompute the step's log-prob with grad, PPO-clipped ratio loss,
+     plus the KL to the reference on the predicted mean; gradients accumulate over the trained
+     steps, then one clipped AdamW step and an EMA update
+  6. metrics (JSONL + TensorBoard); every `eval_every` steps an ODE-only evaluation with more
+     steps and the EMA weights, its image grid saved as a PNG in the run directory
+
+    from mmrl.train.flow_config import load_flow_config
+    from mmrl.train.flow_grpo import run_text_to_image
+    result = run_text_to_image(load_flow_config("text_to_image", overrides=["trainer.total_steps=20"]))
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from mmrl.algos.sde import clipped_step_loss, flow_grpo_advantages, mean_kl
+from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
+from mmrl.rollout.diffusion import FlowSampler, Trajectory, choose_sde_steps
+from mmrl.train.flow_config import FlowConfig, flow_config_to_yaml
+from mmrl.train.metrics_log import MetricsLogger, read_metrics
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class FlowTrainResult:
+    run_dir: Path
+    start_reward: float
+    """Mean evaluation reward of the starting pipeline."""
+    final_reward: float
+    """Mean evaluation reward of the final weights (the ones saved), not the best evaluation."""
+    best_reward: float
+    """Best mean evaluation reward seen at any evaluation (reported, never substituted)."""
+    steps: int
+    seconds: float
+
+    def summary_line(self) -> str:
+        """The line `mmrl train --task text_to_image` ends with."""
+        return (
+            f"done in {self.seconds:.0f}s: eval reward {self.start_reward:.4f} -> {self.final_reward:.4f} "
+            f"({self.final_reward - self.start_reward:+.4f}; best {self.best_reward:.4f}); "
+            f"run directory {self.run_dir}"
+        )
+
+
+class EMA:
+    """Exponential moving average of parameters, swapped in for evaluation and saving.
+
+    ema <- d ema + (1 - d) p with d = min(decay, (1 + n) / (10 + n)) at the n-th update (a warm-up
+    so early averages are not dominated by the initial weights).
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], decay: float):
+        self.params = list(params)
+        self.shadow = [p.detach().clone().float() for p in self.params]
+        self.decay = decay
+        self.updates = 0
+        self._stash: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def update(self) -> None:
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for s, p in zip(self.shadow, self.params):
+            s.mul_(d).add_(p.detach().float(), alpha=1 - d)
+        self.updates += 1
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """The EMA weights in place of the live ones inside the block."""
+        with torch.no_grad():
+            stash = [p.detach().clone() for p in self.params]
+            for s, p in zip(self.shadow, self.params):
+                p.copy_(s)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for s, p in zip(stash, self.params):
+                    p.copy_(s)
+
+
+class Reference:
+    """The frozen reference policy for the KL term.
+
+    With LoRA it is the base model itself: the adapters are switched off for the reference
+    pass (no second copy); with full fine-tuning it is a frozen copy made before training.
+    """
+
+    def __init__(self, transformer: torch.nn.Module, lora: bool):
+        self.transformer = transformer
+        self.copy = None if lora else copy.deepcopy(transformer).eval().requires_grad_(False)
+        self.lora_layers = []
+        if lora:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            self.lora_layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+
+    @contextmanager
+    def model(self) -> Iterator[torch.nn.Module]:
+        if self.copy is not None:
+            yield self.copy
+            return
+        for m in self.lora_layers:
+            m.enable_adapters(False)
+        try:
+            yield self.transformer
+        finally:
+            for m in self.lora_layers:
+                m.enable_adapters(True)
+
+
+@dataclass
+class FlowTrainee:
+    """What one flow-GRPO step works on."""
+
+    pipe: object
+    sampler: FlowSampler
+    transformer: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    reference: Reference | None
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    rewards: list
+    updates: int = 0
+
+
+def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
+    """`mmrl train --task text_to_image`: train, evaluate, save; returns the figures."""
+    t_start = time.monotonic()
+    # 1. Setup: seeds, threads, prompts (checked before anything is written).
+    if cfg.trainer.threads > 0:
+        torch.set_num_threads(cfg.trainer.threads)
+    seed_everything(cfg.trainer.seed)
+    train_prompts, eval_prompts = load_prompts(cfg)
+    sampler_order = PromptOrder(train_prompts, cfg.trainer.seed)
+    run_dir = create_run_dir(cfg)
+    (run_dir / "images").mkdir(exist_ok=True)
+
+    # 2. Pipeline, trainable weights (LoRA or all), reference, optimizer, EMA, rewards.
+    model_path = (
+        Path(cfg.model.path)
+        if cfg.model.path
+        else builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
+    )
+    t = make_flow_trainee(cfg, load_flow_pipeline(model_path, DTYPES[cfg.model.dtype]))
+    metrics_log = MetricsLogger(run_dir)
+    total = cfg.trainer.total_steps
+
+    def run_eval(step: int) -> float:
+        metrics, images = evaluate(cfg, t, eval_prompts)
+        metrics_log.log(step, metrics)
+        save_grid(images, run_dir / "images" / f"eval_step_{step:05d}.png")
+        log.info("step %d: eval reward %.4f", step, metrics["eval/reward/mean"])
+        return metrics["eval/reward/mean"]
+
+    # 3. The loop: one flow-GRPO step per rollout batch, ODE evaluation every `eval_every` steps.
+    try:
+        start = best = final = run_eval(0)
+        bar = tqdm(
+            range(1, total + 1), desc="flow-GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True
+        )
+        for step in bar:
+            metrics = flow_grpo_step(cfg, t, sampler_order.next(cfg.trainer.prompts_per_step), step)
+            metrics_log.log(step, metrics)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", eval=f"{final:.3f}")
+            if (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or step == total:
+                final = run_eval(step)
+                best = max(best, final)
+        bar.close()
+    finally:
+        metrics_log.close()
+
+    # 4. Final pipeline (EMA weights, LoRA merged), curves, summary.
+    if cfg.trainer.save_final:
+        save_pipeline(cfg, t, run_dir / "final")
+    plot_flow_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
+    result = FlowTrainResult(run_dir, start, final, best, total, time.monotonic() - t_start)
+    summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
+    summary["model_path"] = str(model_path)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return result
+
+
+def create_run_dir(cfg: FlowConfig) -> Path:
+    """`trainer.run_dir` (default `runs/<task>-<time>`) with the resolved config; a folder that
+    already holds a run (a non-empty metrics.jsonl) is refused, never appended to. (Like
+    `mmrl.train.rundir.create_run_dir`, which is typed to the VLM config.)"""
+    if cfg.trainer.run_dir:
+        path = Path(cfg.trainer.run_dir)
+    else:
+        path = Path("runs") / f"{cfg.data.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    metrics = path / "metrics.jsonl"
+    if metrics.exists() and metrics.stat().st_size > 0:
+        raise ValueError(f"{path} already holds a run (metrics.jsonl): choose another trainer.run_dir")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(flow_config_to_yaml(cfg))
+    return path
+
+
+def make_flow_trainee(cfg: FlowConfig, pipe) -> FlowTrainee:
+    """Freeze what is not trained, add LoRA (or unfreeze the transformer), build the rest."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            module.requires_grad_(False).eval()
+    transformer = pipe.transformer
+    if cfg.lora.enabled:
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        transformer.add_adapter(
+            LoraConfig(
+                r=cfg.lora.rank,
+                lora_alpha=cfg.lora.alpha,
+                init_lora_weights=cfg.lora.init,
+                target_modules=list(cfg.lora.target_modules),
+            )
+        )
+        for p in transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    else:
+        transformer.requires_grad_(True)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(
+            f"no trainable parameters: lora.target_modules {cfg.lora.target_modules} matched nothing"
+        )
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps
+    )
+    msl = cfg.model.max_sequence_length or (8 if cfg.model.path is None else 256)
+    return FlowTrainee(
+        pipe=pipe,
+        sampler=FlowSampler(pipe, max_sequence_length=msl),
+        transformer=transformer,
+        params=params,
+        reference=Reference(transformer, cfg.lora.enabled) if cfg.algo.kl_coef > 0 else None,
+        optimizer=optimizer,
+        ema=EMA(params, cfg.trainer.ema_decay) if cfg.trainer.ema else None,
+        rewards=make_rewards(cfg),
+    )
+
+
+def make_rewards(cfg: FlowConfig) -> list:
+    """The configured reward models (`mmrl.rewards` registry), built once."""
+    from mmrl.rewards import get_reward_model, reward_model_names
+
+    known = reward_model_names()
+    models = []
+    for name in cfg.reward.names:
+        if name not in known:
+            raise ValueError(f"reward.names: unknown reward {name!r} (known: {', '.join(known)})")
+        kwargs = dict(cfg.reward.kwargs.get(name, {}) or {})
+        models.append(get_reward_model(name, **kwargs))
+    return models
+
+
+def flow_grpo_step(cfg: FlowConfig, t: FlowTrainee, prompts: list[str], step: int) -> dict[str, float]:
+    """One flow-GRPO step on B prompts (B x G images); returns its metrics."""
+    s, a = cfg.sample, cfg.algo
+    G = s.group_size
+    gen = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + step)
+    t0 = time.monotonic()
+    # a. Rollout: G images per prompt with SDE log-probs at the chosen steps.
+    traj = rollout(cfg, t, prompts, gen)
+    rows_prompts = [p for p in prompts for _ in range(G)]
+    t1 = time.monotonic()
+    # b. Rewards, one column per reward model.
+    scores, reward_metrics = score_images(cfg, t, traj.images, rows_prompts)
+    t2 = time.monotonic()
+    # c. Per-prompt advantages, clipped.
+    advantages = compute_advantages(cfg, scores)
+    # d. Old log-probs: the sampler's, or a no-grad recomputation with the trainer.
+    trained = choose_trained_steps(traj.sde_steps, a.timestep_fraction, gen)
+    old = traj.log_probs if a.old_logprobs == "rollout" else recompute_log_probs(cfg, t, traj, trained)
+    # e. Policy update over mini-batches, accumulating over the trained steps.
+    metrics = update_policy(cfg, t, traj, advantages, old, trained, gen)
+    t3 = time.monotonic()
+
+    n = len(rows_prompts)
+    grouped = scores @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
+    metrics.update(reward_metrics)
+    metrics.update(
+        {
+            "reward/zero_std_frac": float((grouped.view(-1, G).std(dim=1) == 0).float().mean()),
+            "adv/abs_mean": float(advantages.abs().mean()),
+            "adv/max": float(advantages.max()),
+            "adv/min": float(advantages.min()),
+            "rollout/sde_steps": float(len(traj.sde_steps)),
+            "rollout/window_start": float(traj.sde_steps[0]) if traj.sde_steps else -1.0,
+            "train/timesteps": float(len(trained)),
+            "time/rollout_s": t1 - t0,
+            "time/reward_s": t2 - t1,
+            "time/update_s": t3 - t2,
+            "time/step_s": t3 - t0,
+            "throughput/images_per_s": n / (t3 - t0),
+            "throughput/trained_timesteps_per_s": n * len(trained) * cfg.trainer.inner_epochs / (t3 - t0),
+        }
+    )
+    return metrics
+
+
+@torch.no_grad()
+def rollout(cfg: FlowConfig, t: FlowTrainee, prompts: list[str], gen: torch.Generator) -> Trajectory:
+    """B x G images (prompt-major) sampled with the SDE at the chosen steps."""
+    s = cfg.sample
+    G, res = s.group_size, s.resolution
+    t.transformer.eval()
+    guided = s.guidance_scale > 1.0
+    cond = t.sampler.encode(prompts, guidance=guided, negative_prompt=s.negative_prompt)
+    cond = cond.select(torch.arange(len(prompts)).repeat_interleave(G))
+    n = len(cond)
+    if s.same_latent:
+        latents = t.sampler.initial_latents(len(prompts), res, res, gen).repeat_interleave(G, dim=0)
+    else:
+        latents = t.sampler.initial_latents(n, res, res, gen)
+    sde_steps = choose_sde_steps(s.num_steps, s.sde_window_size, s.sde_window_range, gen)
+    chunk = s.batch_size or n
+    parts = []
+    for i in range(0, n, chunk):
+        rows = list(range(i, min(n, i + chunk)))
+        parts.append(
+            t.sampler.sample(
+                cond.select(rows),
+                num_steps=s.num_steps,
+                height=res,
+                width=res,
+                guidance_scale=s.guidance_scale,
+                generator=gen,
+                latents=latents[i : i + chunk],
+                noise_level=s.noise_level,
+                sde_steps=sde_steps,
+                sde_type=s.sde_type,
+                output_type="pt",
+            )
+        )
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return Trajectory(
+        latents=torch.cat([p.latents for p in parts]),
+        log_probs=torch.cat([p.log_probs for p in parts]),
+        timesteps=first.timesteps,
+        sigmas=first.sigmas,
+        sde_steps=first.sde_steps,
+        images=torch.cat([p.images for p in parts]),
+        cond=cond,
+    )
+
+
+def score_images(
+    cfg: FlowConfig, t: FlowTrainee, images: torch.Tensor, prompts: list[str]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """[N, K] rewards (one column per reward model) and their metrics."""
+    columns, metrics = [], {}
+    for name, model in zip(cfg.reward.names, t.rewards):
+        out = model.score_with_components(images=images, prompts=prompts)
+        col = torch.tensor(out.scores, dtype=torch.float32)
+        if col.shape != (len(prompts),) or not torch.isfinite(col).all():
+            raise ValueError(
+                f"reward {name!r} returned {col.shape[0]} scores (or non-finite ones) for {len(prompts)} images"
+            )
+        columns.append(col)
+        metrics[f"reward/{name}/mean"] = float(col.mean())
+        metrics[f"reward/{name}/std"] = float(col.std())
+    scores = torch.stack(columns, dim=1)
+    total = scores @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
+    metrics["reward/mean"] = float(total.mean())
+    metrics["reward/std"] = float(total.std())
+    return scores, metrics
+
+
+def compute_advantages(cfg: FlowConfig, scores: torch.Tensor) -> torch.Tensor:
+    """[N] advantages from [N, K] rewards: weighted sum then per-prompt normalisation, or GDPO."""
+    a, G = cfg.algo, cfg.sample.group_size
+    if cfg.reward.combine == "gdpo":
+        from mmrl.algos.advantages import get_advantage_estimator
+
+        adv = get_advantage_estimator("gdpo")(scores, G, eps=a.adv_eps, weights=list(cfg.reward.weights))
+        return adv.clamp(-a.adv_clip_max, a.adv_clip_max)
+    total = scores @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
+    return flow_grpo_advantages(total, G, global_std=a.global_std, eps=a.adv_eps, clip=a.adv_clip_max)
+
+
+def choose_trained_steps(sde_steps: list[int], fraction: float, gen: torch.Generator) -> list[int]:
+    """A random subset (at least one) of the SDE steps, `fraction` of them, in order."""
+    k = max(1, int(round(fraction * len(sde_steps))))
+    if k >= len(sde_steps):
+        return list(sde_steps)
+    pick = torch.randperm(len(sde_steps), generator=gen)[:k].sort().values.tolist()
+    return [sde_steps[i] for i in pick]
+
+
+def train_guidance(cfg: FlowConfig) -> float:
+    """Guidance scale of the trainer's log-prob pass (flow-GRPO's `train.cfg`)."""
+    gs = cfg.sample.guidance_scale
+    return gs if (cfg.algo.train_cfg and gs > 1.0) else 1.0
+
+
+@torch.no_grad()
+def recompute_log_probs(
+    cfg: FlowConfig, t: FlowTrainee, traj: Trajectory, trained: list[int]
+) -> torch.Tensor:
+    """[N, S] log-probs of the stored steps under the current weights (no grad), in the
+    mini-batch shapes of the first update so that its first ratio is exactly 1."""
+    n = traj.latents.shape[0]
+    old = traj.log_probs.clone()
+    size = n // cfg.trainer.mini_batches
+    res = cfg.sample.resolution
+    for start in range(0, n, size):
+        rows = list(range(start, start + size))
+        cond = traj.cond.select(rows)
+        for j in trained:
+            out = t.sampler.step_log_prob(
+                t.transformer,
+                traj,
+                rows,
+                j,
+                cond,
+                train_guidance(cfg),
+                cfg.sample.noise_level,
+                cfg.sample.sde_type,
+                res,
+                res,
+            )
+            old[rows, j] = out.log_prob
+    return old
+
+
+def update_policy(
+    cfg: FlowConfig,
+    t: FlowTrainee,
+    traj: Trajectory,
+    advantages: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    trained: list[int],
+    gen: torch.Generator,
+) -> dict[str, float]:
+    """`inner_epochs` passes of `mini_batches` optimizer steps; each mini-batch accumulates the
+    per-step clipped loss (+ KL) over the trained steps."""
+    a, s = cfg.algo, cfg.sample
+    n = traj.latents.shape[0]
+    size = n // cfg.trainer.mini_batches
+    res = s.resolution
+    gs = train_guidance(cfg)
+    advantages = advantages.to(traj.latents.device)
+    t.transformer.train()
+    sums: dict[str, list[float]] = defaultdict(list)
+    ratio_min, ratio_max, skipped = math.inf, -math.inf, 0
+    first_ratio = None
+    for _ in range(cfg.trainer.inner_epochs):
+        order = torch.randperm(n, generator=gen).tolist()
+        for start in range(0, n, size):
+            rows = order[start : start + size]
+            cond = traj.cond.select(rows)
+            adv = advantages[rows]
+            t.optimizer.zero_grad(set_to_none=True)
+            for j in trained:
+                out = t.sampler.step_log_prob(
+                    t.transformer, traj, rows, j, cond, gs, s.noise_level, s.sde_type, res, res
+                )
+                old = old_log_probs[rows, j]
+                pg_loss, ratio = clipped_step_loss(out.log_prob, old, adv, a.clip_range)
+                loss = pg_loss
+                if t.reference is not None:
+                    with torch.no_grad(), t.reference.model() as ref:
+                        ref_mean = t.sampler.step_log_prob(
+                            ref, traj, rows, j, cond, gs, s.noise_level, s.sde_type, res, res
+                        ).mean
+                    kl = mean_kl(out.mean, ref_mean, out.std, s.sde_type).mean()
+                    loss = loss + a.kl_coef * kl
+                    sums["actor/kl"].append(kl.item())
+                (loss / len(trained)).backward()
+                with torch.no_grad():
+                    log_ratio = out.log_prob - old
+                    if first_ratio is None:
+                        first_ratio = ratio.detach().clone()
+                    sums["actor/policy_loss"].append(pg_loss.item())
+                    sums["actor/approx_kl"].append(float(0.5 * log_ratio.square().mean()))
+                    sums["actor/clip_frac"].append(float(((ratio - 1).abs() > a.clip_range).float().mean()))
+                    sums["actor/ratio_mean"].append(float(ratio.mean()))
+                    ratio_min = min(ratio_min, float(ratio.min()))
+                    ratio_max = max(ratio_max, float(ratio.max()))
+            clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(t.params, clip)
+            if torch.isfinite(grad_norm):
+                t.optimizer.step()
+                t.updates += 1
+                if t.ema is not None and t.updates % cfg.trainer.ema_every == 0:
+                    t.ema.update()
+            else:
+                skipped += 1
+                log.warning("non-finite gradient norm: optimizer step skipped")
+            t.optimizer.zero_grad(set_to_none=True)
+            sums["actor/grad_norm"].append(float(grad_norm))
+    metrics = {k: sum(v) / len(v) for k, v in sums.items()}
+    metrics["actor/ratio_min"] = ratio_min
+    metrics["actor/ratio_max"] = ratio_max
+    metrics["actor/first_ratio_max_dev"] = (
+        float((first_ratio - 1).abs().max()) if first_ratio is not None else 0.0
+    )
+    metrics["actor/skipped_steps"] = float(skipped)
+    metrics["actor/lr"] = t.optimizer.param_groups[0]["lr"]
+    return metrics
+
+
+@torch.no_grad()
+def evaluate(cfg: FlowConfig, t: FlowTrainee, prompts: list[str]) -> tuple[dict[str, float], torch.Tensor]:
+    """ODE-only sampling (no SDE step) with `eval_num_steps`, a fixed seed and the EMA weights."""
+    s = cfg.sample
+    gs = s.eval_guidance_scale if s.eval_guidance_scale is not None else s.guidance_scale
+    t.transformer.eval()
+    gen = torch.Generator().manual_seed(cfg.trainer.seed + 12345)
+    with t.ema.applied() if t.ema is not None else _nothing():
+        traj = t.sampler.sample(
+            list(prompts),
+            num_steps=s.eval_num_steps,
+            height=s.resolution,
+            width=s.resolution,
+            guidance_scale=gs,
+            generator=gen,
+            sde_steps=(),
+            negative_prompt=s.negative_prompt,
+        )
+    _, reward_metrics = score_images(cfg, t, traj.images, list(prompts))
+    return {f"eval/{k}": v for k, v in reward_metrics.items()}, traj.images
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def save_pipeline(cfg: FlowConfig, t: FlowTrainee, path: Path) -> None:
+    """The final pipeline (EMA weights if kept, LoRA merged into the transformer), loadable
+    with `--model` / `load_flow_pipeline`."""
+    with torch.no_grad():
+        if t.ema is not None:
+            for s, p in zip(t.ema.shadow, t.params):
+                p.copy_(s)
+    if cfg.lora.enabled:
+        t.transformer.fuse_lora()
+        t.transformer.unload_lora()
+    t.pipe.save_pretrained(path)
+
+
+def save_grid(images: torch.Tensor, path: Path, columns: int = 8) -> Path:
+    """[N, 3, H, W] images in [0, 1] as one PNG grid (row-major, `columns` per row)."""
+    from PIL import Image
+
+    n, _, h, w = images.shape
+    cols = min(columns, n)
+    rows = math.ceil(n / cols)
+    grid = torch.ones(3, rows * h, cols * w)
+    for i in range(n):
+        r, c = divmod(i, cols)
+        grid[:, r * h : (r + 1) * h, c * w : (c + 1) * w] = images[i].float().cpu()
+    array = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    Image.fromarray(array).save(path)
+    return path
+
+
+FLOW_PANELS = [
+    ("reward", ["reward/mean", "eval/reward/mean"]),
+    ("KL to reference", ["actor/kl"]),
+    ("policy ratio", ["actor/approx_kl", "actor/clip_frac"]),
+    ("grad norm", ["actor/grad_norm"]),
+]
+
+
+def plot_flow_curves(metrics_path: Path, out_path: Path) -> Path:
+    """One panel per curve group from `metrics.jsonl`: train/eval reward, KL, ratio, grad norm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    fig, axes = plt.subplots(1, len(FLOW_PANELS), figsize=(4 * len(FLOW_PANELS), 3.2))
+    for ax, (title, keys) in zip(axes, FLOW_PANELS):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, label=key, marker="o" if len(points) < 20 else None, markersize=3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(ax.get_lines()) > 1:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path
+
+
+def load_prompts(cfg: FlowConfig) -> tuple[list[str], list[str]]:
+    """Training and evaluation prompts: from the config, a file, or the built-in list."""
+    from mmrl.datasets.prompts_t2i import builtin_prompts, read_prompt_file
+
+    d = cfg.data
+    if d.prompts:
+        train = list(d.prompts)
+    elif d.prompt_file:
+        train = read_prompt_file(d.prompt_file)
+    else:
+        train = builtin_prompts("train")
+    if any(not isinstance(p, str) or not p.strip() for p in train):
+        raise ValueError("data.prompts: every prompt must be a non-empty string")
+    eval_prompts = list(d.eval_prompts) or builtin_prompts("eval")
+    return train, eval_prompts[: cfg.trainer.eval_size]
+
+
+class PromptOrder:
+    """Shuffled passes over the training prompts; deterministic by seed. A step's B prompts
+    are distinct whenever there are at least B prompts."""
+
+    def __init__(self, prompts: list[str], seed: int):
+        self.prompts = prompts
+        self.rng = np.random.default_rng(seed)
+        self.order = self.rng.permutation(len(prompts))
+        self.cursor = 0
+
+    def next(self, n: int) -> list[str]:
+        out = []
+        while len(out) < n:
+            if self.cursor == len(self.order):
+                self.order, self.cursor = self.rng.permutation(len(self.prompts)), 0
+            out.append(self.prompts[self.order[self.cursor]])
+            self.cursor += 1
+        return out
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,220 @@
+"""Long runs survive: a killed process resumes exactly, a damaged checkpoint is skipped,
+non-finite rewards and gradients skip the step (counted), signals write a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmrl.config import load_config
+from mmrl.datasets.procedural import make_samples
+from mmrl.datasets.readers import write_jsonl
+from mmrl.train.checkpoint import find_resume_checkpoint, list_checkpoints
+from mmrl.train.grpo import train
+
+pytestmark = pytest.mark.slow
+
+SHORT = [
+    "trainer.prompts_per_step=4",
+    "rollout.group_size=2",
+    "trainer.eval_size=8",
+    "trainer.eval_every=3",
+    "trainer.progress=false",
+    "trainer.save_final=false",
+    "trainer.threads=1",
+]
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "mmrl.cli", "train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without wall-clock figures (the only thing that may differ)."""
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        rows.append({k: v for k, v in record.items() if not k.startswith(("time/", "throughput/"))})
+    return rows
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 900) -> None:
+    start = time.monotonic()
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {path} appeared: {proc.stderr.read()[-3000:]}")
+        if time.monotonic() - start > limit_s:  # a hang guard, not a performance check
+            proc.kill()
+            raise AssertionError(f"{path} never appeared")
+        time.sleep(0.05)
+
+
+def test_a_run_killed_with_sigkill_resumes_with_exactly_the_uninterrupted_metrics(mmrl_cache, tmp_path):
+    args = [*SHORT, "trainer.total_steps=6", "trainer.checkpoint_every=2", "trainer.keep_last=0"]
+    whole = _cli(*args, f"trainer.run_dir={tmp_path / 'whole'}")
+    assert whole.wait() == 0, whole.stderr.read()[-3000:]
+
+    killed = _cli(*args, f"trainer.run_dir={tmp_path / 'killed'}")
+    _wait_for(tmp_path / "killed" / "checkpoints" / "step_00000002" / "manifest.json", killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    done = {c.step for c in list_checkpoints(tmp_path / "killed")}
+    assert 2 in done and 6 not in done  # really killed mid-run, after a checkpoint
+
+    resumed = _cli(*args, f"trainer.run_dir={tmp_path / 'killed'}", "--resume", "auto")
+    assert resumed.wait() == 0, resumed.stderr.read()[-3000:]
+    assert "resumed from" in resumed.stderr.read()
+    assert _metrics(tmp_path / "killed") == _metrics(tmp_path / "whole")
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_with_a_warning(mmrl_cache, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    base = [*SHORT, "trainer.checkpoint_every=1", "trainer.keep_last=0", f"trainer.run_dir={run_dir}"]
+    train(load_config("vision_reasoning", overrides=[*base, "trainer.total_steps=3"]))
+    newest = run_dir / "checkpoints" / "step_00000003" / "trainer_state.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # a crash mid-write, or a full disk
+    with caplog.at_level(logging.WARNING):
+        assert find_resume_checkpoint(run_dir).step == 2
+    assert "skipping damaged checkpoint" in caplog.text and "trainer_state.pt" in caplog.text
+    with caplog.at_level(logging.INFO):
+        result = train(
+            load_config("vision_reasoning", overrides=[*base, "trainer.total_steps=4", "trainer.resume=auto"])
+        )
+    assert "at step 2" in caplog.text and result.steps == 4
+    assert [r["step"] for r in _metrics(run_dir) if "reward/mean" in r] == [1, 2, 3, 4]
+
+
+def _nan_data(tmp_path: Path, nan_ids: set[int]) -> list[str]:
+    samples = make_samples(["colour_code"], 8, "train")
+    for i, s in enumerate(samples):
+        s.reward_model.verifier = "nan_on_marked"
+        s.extra_info["nan"] = i in nan_ids
+    write_jsonl(samples, tmp_path / "train.jsonl")
+    heldout = make_samples(["colour_code"], 4, "heldout")
+    for s in heldout:
+        s.reward_model.verifier = "nan_on_marked"
+    write_jsonl(heldout, tmp_path / "heldout.jsonl")
+    return [
+        f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+        f"data.heldout_files=[{tmp_path / 'heldout.jsonl'}]",
+        "reward.plugins=[hang_verifier]",
+    ]
+
+
+def test_a_nan_reward_skips_the_step_names_the_sample_and_training_goes_on(
+    mmrl_cache, tmp_path, monkeypatch, caplog
+):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    data = _nan_data(tmp_path, {3})
+    with caplog.at_level(logging.WARNING):
+        result = train(
+            load_config(
+                "vision_reasoning",
+                overrides=[*SHORT, *data, "trainer.total_steps=2", f"trainer.run_dir={tmp_path / 'run'}"],
+            )
+        )
+    steps = [r for r in _metrics(result.run_dir) if "guard/skipped_step" in r]
+    assert [r["guard/skipped_step"] for r in steps].count(
+        1.0
+    ) == 1  # sample 3 is drawn in one of the two steps
+    skipped = next(r for r in steps if r["guard/skipped_step"] == 1.0)
+    assert skipped["guard/nonfinite_rewards"] == 2  # both of its responses
+    assert "vision_reasoning/colour_code/train/0/3" in caplog.text and "non-finite reward" in caplog.text
+
+
+def test_repeated_non_finite_steps_stop_the_run_with_the_last_good_checkpoint_named(
+    mmrl_cache, tmp_path, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
+    data = _nan_data(tmp_path, set(range(8)))  # every reward is NaN
+    cfg = load_config(
+        "vision_reasoning",
+        overrides=[
+            *SHORT,
+            *data,
+            "trainer.total_steps=5",
+            "trainer.max_consecutive_skips=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    with pytest.raises(
+        RuntimeError, match=r"2 steps in a row \(up to step 2\) were skipped .* last good checkpoint is none"
+    ):
+        train(cfg)
+
+
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward; NaN gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def test_a_nan_gradient_skips_the_optimizer_step_and_leaves_the_weights_untouched(
+    mmrl_cache, tmp_path, monkeypatch
+):
+    import mmrl.train.update as update
+
+    original = update.response_logprobs
+    calls = {"n": 0}
+
+    def poisoned(model, batch, *args, **kwargs):
+        logprobs, entropy = original(model, batch, *args, **kwargs)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == 1:  # the first mini-batch of the first update
+                logprobs = _NaNGradient.apply(logprobs)
+        return logprobs, entropy
+
+    monkeypatch.setattr(update, "response_logprobs", poisoned)
+    cfg = load_config(
+        "vision_reasoning",
+        overrides=[
+            *SHORT,
+            "trainer.total_steps=1",
+            "trainer.mini_batches=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    result = train(cfg)
+    (step,) = [r for r in _metrics(result.run_dir) if "actor/skipped_steps" in r]
+    assert step["actor/skipped_steps"] == 1.0  # of the step's two optimizer steps, the poisoned one
+    assert step["actor/grad_norm"] == step["actor/grad_norm"]  # the other step's norm is finite
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(mmrl_cache, tmp_path):
+    args = [*SHORT, "trainer.total_steps=50", f"trainer.run_dir={tmp_path / 'run'}"]
+    proc = _cli(*args)
+    _wait_for(tmp_path / "run" / "metrics.jsonl", proc)
+    while not any(
+        '"reward/mean"' in line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ):
+        time.sleep(0.05)  # at least one step done
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    assert "interrupted at step" in out
+    ckpt = find_resume_checkpoint(tmp_path / "run")
+    assert ckpt is not None and 1 <= ckpt.step < 50
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["interrupted"] is True
