@@ -3,8 +3,8 @@
 Boxes are `[x1, y1, x2, y2]` in pixels of the (square) image, as Qwen2.5-VL answers; the
 detection verifier's `normalized` option covers ground truths on Qwen2-VL's 0-1000 grid.
 
-- `detection`: one shape; its box, labelled circle / square / triangle (one box keeps the
-  answer within 64 byte tokens).
+- `detection`: one shape; its box, labelled with its colour (one box keeps the answer within
+  64 byte tokens; colour labels are what a tiny model can learn to see on a CPU).
 - `grounding`: two or three shapes of different colours; the box of the one of a named colour.
 - `ocr`: a word rendered in the image; the word (`ocr` verifier, edit similarity).
 - `counting`: one to six shapes; how many (`counting` verifier).
@@ -59,15 +59,13 @@ def _boxes_answer(boxes: list[dict]) -> str:
 @register_kind("detection", "perception", stream=10)
 def _detection(rng: np.random.Generator, size: int) -> Drawn:
     image = _background(rng, size)
-    draw = ImageDraw.Draw(image)
-    boxes = []
-    for cx, cy, r in _place(rng, size, 1):
-        shape = str(rng.choice(SHAPES))
-        _draw_shape(draw, shape, cx, cy, r, _jitter(COLOURS[str(rng.choice(list(COLOURS)))], rng))
-        boxes.append({"bbox_2d": _box(cx, cy, r), "label": shape})
+    ((cx, cy, r),) = _place(rng, size, 1)
+    colour = str(rng.choice(list(COLOURS)))
+    _draw_shape(ImageDraw.Draw(image), str(rng.choice(SHAPES)), cx, cy, r, _jitter(COLOURS[colour], rng))
+    boxes = [{"bbox_2d": _box(cx, cy, r), "label": colour}]
     return Drawn(
         image=image,
-        question="Detect every shape (circle, square or triangle)." + BOX_FORMAT,
+        question="Detect the shape and label it with its colour." + BOX_FORMAT,
         ground_truth=boxes,
         reference=_boxes_answer(boxes),
         verifier="detection",
