@@ -279,27 +279,3 @@ def test_runner_module_exposes_the_cli_hooks():
     args = _parse(["--model", "m", "--max-queries", "3", "--tasks", "a", "b", "--pass-k", "4"])
     cfg = runner_module.config_from_args(args)
     assert cfg.max_queries == 3 and cfg.tasks == ("a", "b") and cfg.pass_k == 4 and cfg.output_dir == "eval-m"
-
-
-def test_every_eval_config_field_has_a_docstring():
-    """As in mmrl.config: each default is documented by a string right under its field."""
-    import ast
-    import dataclasses
-    import inspect
-
-    import mmrl.eval.config as config_module
-
-    documented: dict[str, set[str]] = {}
-    for node in ast.walk(ast.parse(inspect.getsource(config_module))):
-        if isinstance(node, ast.ClassDef):
-            names = documented.setdefault(node.name, set())
-            for stmt, nxt in zip(node.body, node.body[1:]):
-                if (
-                    isinstance(stmt, ast.AnnAssign)
-                    and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant)
-                ):
-                    names.add(stmt.target.id)
-    for cls in (config_module.EvalConfig, config_module.CurveConfig):
-        for f in dataclasses.fields(cls):
-            assert f.name in documented[cls.__name__], f"{cls.__name__}.{f.name} has no docstring"

@@ -3,7 +3,6 @@ directory, and a tiny SD3 pipeline whose JPEG-compressibility reward must rise."
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -80,38 +79,6 @@ def test_unknown_keys_wrong_types_and_bad_combinations_are_named():
             load_flow_config("text_to_image", overrides=override.split())
     with pytest.raises(ValueError, match="key=value"):
         load_flow_config("text_to_image", overrides=["lonely"])
-
-
-def test_every_flow_config_field_has_a_docstring():
-    import ast
-    import inspect
-
-    import mmrl.models.tiny_diffusion as tiny_module
-    import mmrl.train.flow_config as config_module
-
-    documented: dict[str, set[str]] = {}
-    for module in (config_module, tiny_module):
-        for node in ast.walk(ast.parse(inspect.getsource(module))):
-            if isinstance(node, ast.ClassDef):
-                names = documented.setdefault(node.name, set())
-                for stmt, nxt in zip(node.body, node.body[1:]):
-                    if (
-                        isinstance(stmt, ast.AnnAssign)
-                        and isinstance(nxt, ast.Expr)
-                        and isinstance(nxt.value, ast.Constant)
-                    ):
-                        names.add(stmt.target.id)
-
-    def check(cls) -> int:
-        count = 0
-        for f in dataclasses.fields(cls):
-            assert f.name in documented[cls.__name__], f"{cls.__name__}.{f.name} has no docstring"
-            count += 1
-            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory()):
-                count += check(type(f.default_factory()))
-        return count
-
-    assert check(FlowConfig) > 50
 
 
 # --- one step ------------------------------------------------------------------------------

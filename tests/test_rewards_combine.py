@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 import math
@@ -70,29 +69,6 @@ def test_combination_errors_are_named():
 
 
 # --- configs -------------------------------------------------------------------------------
-
-
-def test_every_reward_config_field_has_a_docstring():
-    documented: dict[str, set[str]] = {}
-    for node in ast.walk(ast.parse(inspect.getsource(config_module))):
-        if isinstance(node, ast.ClassDef):
-            names = documented.setdefault(node.name, set())
-            for stmt, nxt in zip(node.body, node.body[1:]):
-                if (
-                    isinstance(stmt, ast.AnnAssign)
-                    and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant)
-                ):
-                    names.add(stmt.target.id)
-    classes = [
-        c
-        for _, c in inspect.getmembers(config_module, dataclasses.is_dataclass)
-        if c.__module__ == config_module.__name__
-    ]
-    assert len(classes) >= 9
-    for cls in classes:
-        for f in dataclasses.fields(cls):
-            assert f.name in documented[cls.__name__], f"{cls.__name__}.{f.name} has no docstring"
 
 
 def test_typed_configs_match_the_constructors():
@@ -212,9 +188,7 @@ def test_bridge_uses_generated_images_when_given():
 def test_bridge_errors_name_the_sample_and_field():
     with pytest.raises(KeyError, match=r"sample s0: reward model 'aesthetic' is not configured"):
         score_model_rewards([_sample(0, ["aesthetic"])], ["x"], None, {})
-    with pytest.raises(
-        ValueError, match=r"sample s0: reward_model.models\[0\].weight: must be a number"
-    ):
+    with pytest.raises(ValueError, match=r"sample s0: reward_model.models\[0\].weight: must be a number"):
         score_model_rewards([_sample(0, [{"name": "a", "weight": "high"}])], ["x"], None, {})
     with pytest.raises(ValueError, match=r"models\[0\]: unknown key\(s\) \['wieght'\]"):
         check_model_entries([{"name": "a", "wieght": 1}])

@@ -3,7 +3,6 @@ the config's rules, and the converters from OpenRLHF / V-Triune payloads."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import httpx
@@ -127,27 +126,6 @@ def test_base_url_accepts_endpoint_urls():
 
 # ---------------------------------------------------------------------------------------------
 # Config
-
-
-def test_every_serve_config_field_has_a_docstring():
-    import ast
-    import inspect
-
-    import mmrl.server.config as module
-
-    documented = set()
-    for node in ast.walk(ast.parse(inspect.getsource(module))):
-        if isinstance(node, ast.ClassDef) and node.name == "ServeConfig":
-            for stmt, nxt in zip(node.body, node.body[1:]):
-                if (
-                    isinstance(stmt, ast.AnnAssign)
-                    and isinstance(nxt, ast.Expr)
-                    and isinstance(nxt.value, ast.Constant)
-                ):
-                    documented.add(stmt.target.id)
-    fields = {f.name for f in dataclasses.fields(ServeConfig)}
-    assert fields - documented == set()
-    assert len(fields) > 15
 
 
 def test_binding_beyond_loopback_needs_a_token():

@@ -17,21 +17,31 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces matched; None if absent."""
-    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces matched; None if absent.
+
+    A `\\boxed` not followed (after spaces) by a balanced `{...}` is skipped in favour of an
+    earlier one. Linear time: a brace left open after position p means no earlier `\\boxed`
+    can close after p, so each earlier scan stops where the previous one started."""
+    limit = len(text)
+    boxed, fbox = text.rfind("\\boxed"), text.rfind("\\fbox")
+    while max(boxed, fbox) != -1:
+        start = max(boxed, fbox)
+        name = "\\boxed" if start == boxed else "\\fbox"
+        i = text.find("{", start, limit)
+        if i != -1 and text[start + len(name) : i].strip() == "":
+            depth = 0
+            for j in range(i, limit):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[i + 1 : j]
+        limit = start
+        if start == boxed:  # only the one just tried moves: each rfind covers new text only
+            boxed = text.rfind("\\boxed", 0, start)
+        else:
+            fbox = text.rfind("\\fbox", 0, start)
     return None
 
 

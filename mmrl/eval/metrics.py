@@ -39,6 +39,7 @@ from numbers import Number
 from typing import Any
 
 from mmrl.eval.parsers import extract_code_block, parse_json_value
+from mmrl.verifiers.math import last_boxed
 
 Judge = Callable[[str, str, str], float]
 """`judge(prompt, response, reference) -> score in [0, 1]` for open-ended answers."""
@@ -508,24 +509,6 @@ def general_single_numerical_match(response: Any, reference: Any, ctx: FieldCont
             return 0.0
         return float(all(_within(p, g) for p, g in zip(sorted(pred), sorted(gt))))
     return float(_within(pred, gt))
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (nested braces balanced), or None."""
-    start = text.rfind("\\boxed")
-    while start != -1:
-        i = text.find("{", start)
-        if i != -1 and text[start + len("\\boxed") : i].strip() == "":
-            depth = 0
-            for j in range(i, len(text)):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[i + 1 : j]
-        start = text.rfind("\\boxed", 0, start)
-    return None
 
 
 @register_metric("boxed_single_numerical_match")

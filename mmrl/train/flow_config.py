@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from mmrl.config import load_structured
 from mmrl.models.tiny_diffusion import TinyDiffusionSpec
 
 LORA_TARGETS = [
@@ -276,23 +277,7 @@ def load_flow_config(
     overrides: list[str] | None = None,
 ) -> FlowConfig:
     """Defaults <- task recipe <- config file <- `key=value` overrides, validated."""
-    merged = OmegaConf.structured(FlowConfig)
-    if task is not None:
-        recipe = resources.files("mmrl.configs") / f"{task}.yaml"
-        if not recipe.is_file():
-            raise ValueError(f"unknown task {task!r}: no configs/{task}.yaml")
-        merged = OmegaConf.merge(merged, _yaml(recipe.read_text(), f"configs/{task}.yaml"))
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.exists():
-            raise FileNotFoundError(f"config file not found: {path}")
-        merged = OmegaConf.merge(merged, _yaml(path.read_text(), str(path)))
-    if overrides:
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ValueError(f"overrides must be key=value, got {bad}")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-    return OmegaConf.to_object(merged)
+    return load_structured(FlowConfig, task, config_file, overrides)
 
 
 def is_diffusion_task(task: str) -> bool:
@@ -302,13 +287,6 @@ def is_diffusion_task(task: str) -> bool:
         return False
     conf = OmegaConf.create(recipe.read_text())
     return isinstance(conf, type(OmegaConf.create({}))) and conf.get("kind") == "diffusion"
-
-
-def _yaml(text: str, where: str) -> Any:
-    conf = OmegaConf.create(text)
-    if conf is None or not isinstance(conf, type(OmegaConf.create({}))):
-        raise ValueError(f"{where}: expected a mapping at the top level")
-    return conf
 
 
 def flow_config_to_yaml(cfg: FlowConfig) -> str:
