@@ -1,7 +1,14 @@
-"""The default rollout engine: Hugging Face `generate` on the trainer's own model.
+"""The default rollout engine: Hugging Face models sampled on the trainer's own module.
 
 It shares the policy module with the trainer, so `load_weights` has nothing to copy; it exists
 so that engines that hold their own copy (vLLM) fit the same interface.
+
+The G responses of a prompt share the prompt, which is most of the sequence (a 64x64 image and
+its question are ~160 tokens; a response ~10). On models whose positions the trainer lays out
+itself (Qwen-VL: `mmrl.train.forward.shares_prompts`), each distinct prompt is prefilled once,
+its key/value cache indexed out to its G rows, and the responses are decoded by a plain sampling
+loop over the tempered, blocked softmax (the distribution whose log-probs are recorded). Other
+models, and single-response calls (greedy evaluation), go through Hugging Face `generate`.
 """
 
 from __future__ import annotations
@@ -96,15 +103,27 @@ class HFRolloutEngine:
         stop token sampled, or at the end for truncated ones), while the other rows are still
         being generated: the trainer starts scoring it right away.
         """
-        rows = [s for s in samples for _ in range(params.n)]
+        from mmrl.train.forward import shares_prompts
+
+        shared = params.n > 1 and shares_prompts(self.model)
+        # Chunks of whole groups when prompts are shared, else of rows.
+        units = samples if shared else [s for s in samples for _ in range(params.n)]
+        per_unit = params.n if shared else 1
+        step = max(1, self.max_batch_rows // per_unit)
         chunks = []
-        for start in range(0, len(rows), self.max_batch_rows):
+        for start in range(0, len(units), step):
             streamer = None
             if on_response is not None:
                 streamer = _FinishedRows(
-                    self.processor.tokenizer, self.stop_token_ids, lambda i, t, o=start: on_response(o + i, t)
+                    self.processor.tokenizer,
+                    self.stop_token_ids,
+                    lambda i, t, o=start * per_unit: on_response(o + i, t),
                 )
-            chunks.append(self._generate_rows(rows[start : start + self.max_batch_rows], params, streamer))
+            part = units[start : start + step]
+            if shared:
+                chunks.append(self._sample_shared(part, params, streamer))
+            else:
+                chunks.append(self._generate_rows(part, params, streamer))
         batch = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks, self.pad_token_id)
         batch.group_size = params.n
         return batch
@@ -160,6 +179,93 @@ class HFRolloutEngine:
             truncated=truncated,
             images_per_row=[len(s.images) for s in rows],
         )
+
+    def _sample_shared(
+        self, samples: list[Sample], params: SamplingParams, streamer: BaseStreamer | None = None
+    ) -> RolloutBatch:
+        """G = params.n responses per sample, each prompt prefilled once (see the module docs).
+
+        Decoding feeds one token per row per step with the cache; rows that have sampled a stop
+        token are fed padding (masked out afterwards), as `generate` does.
+        """
+        from mmrl.train.batching import select_rows
+        from mmrl.train.forward import cache_argument, output_cache, position_ids
+
+        G, model = params.n, self.model
+        inputs = encode_prompts(self.processor, samples)
+        prompts = RolloutBatch(
+            samples=list(samples),
+            prompt_ids=inputs["input_ids"],
+            prompt_mask=inputs["attention_mask"],
+            response_ids=inputs["input_ids"][:, :0],
+            response_mask=inputs["attention_mask"][:, :0],
+            rollout_logprobs=torch.zeros(len(samples), 0),
+            vision_inputs={k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")},
+            texts=[""] * len(samples),
+            truncated=torch.zeros(len(samples), dtype=torch.bool),
+            images_per_row=[len(s.images) for s in samples],
+        )
+        rows = [i for i in range(len(samples)) for _ in range(G)]
+        index = torch.tensor(rows, dtype=torch.long, device=inputs["input_ids"].device)
+        positions = position_ids(model, inputs)  # [3, B, P]
+        blocked = self.blocked
+        stop = torch.tensor(self.stop_token_ids, device=index.device)
+        was_training = model.training
+        model.eval()
+        try:
+            out = model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1)
+            cache = output_cache(out)
+            cache.reorder_cache(index)  # [B] -> [B x G] rows
+            logits = out.logits[:, -1][index]  # [N, V]
+            next_position = positions[..., -1:][:, index] + 1  # [3, N, 1]: text continues by 1
+            attention_mask = inputs["attention_mask"][index]
+            if streamer is not None:
+                streamer.put(inputs["input_ids"][index].cpu())
+            finished = torch.zeros(len(rows), dtype=torch.bool, device=index.device)
+            tokens, logprobs = [], []
+            for t in range(params.max_new_tokens):
+                scores = masked_logits(
+                    logits, blocked[: logits.shape[-1]], 1.0 if params.greedy else params.temperature
+                )
+                if params.greedy:
+                    token = scores.argmax(dim=-1)
+                else:
+                    token = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+                    logprobs.append(token_logprobs(scores, token))
+                token = token.masked_fill(finished, self.pad_token_id)
+                tokens.append(token)
+                if streamer is not None:
+                    streamer.put(token.cpu())
+                finished |= torch.isin(token, stop)
+                if bool(finished.all()) or t == params.max_new_tokens - 1:
+                    break
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+                out = model(
+                    input_ids=token[:, None],
+                    attention_mask=attention_mask,
+                    position_ids=next_position,
+                    use_cache=True,
+                    **{cache_argument(model): cache},
+                )
+                cache = output_cache(out)
+                logits = out.logits[:, -1]
+                next_position = next_position + 1
+            if streamer is not None:
+                streamer.end()
+        finally:
+            model.train(was_training)
+        batch = select_rows(prompts, rows)
+        response = torch.stack(tokens, dim=1)
+        response_mask, truncated = response_mask_from_stops(response, self.stop_token_ids)
+        batch.response_ids = response.masked_fill(response_mask == 0, self.pad_token_id)
+        batch.response_mask = response_mask
+        batch.truncated = truncated
+        if params.greedy:
+            batch.rollout_logprobs = torch.zeros(response.shape, dtype=torch.float32)
+        else:
+            batch.rollout_logprobs = torch.stack(logprobs, dim=1).masked_fill(response_mask == 0, 0.0)
+        batch.texts = self.processor.batch_decode(batch.response_ids, skip_special_tokens=True)
+        return batch
 
 
 class _FinishedRows(BaseStreamer):

@@ -71,6 +71,29 @@ def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
     )
 
 
+def prompt_groups(batch: RolloutBatch) -> tuple[list[int], torch.Tensor] | None:
+    """Rows that share a prompt: the first row of each distinct prompt, and for every row the
+    index [N] of its prompt among those; None when every row's prompt is distinct.
+
+    Rows share a prompt when they come from the same sample object (hence the same images)
+    and have the same prompt token ids (the G responses of a group).
+    """
+    first: list[int] = []
+    seen: dict[tuple[int, bytes], int] = {}
+    inverse = []
+    ids = batch.prompt_ids.cpu().numpy()
+    for row, sample in enumerate(batch.samples):
+        key = (id(sample), ids[row].tobytes())
+        index = seen.get(key)
+        if index is None:
+            index = seen[key] = len(first)
+            first.append(row)
+        inverse.append(index)
+    if len(first) == len(inverse):
+        return None
+    return first, torch.tensor(inverse, dtype=torch.long, device=batch.prompt_ids.device)
+
+
 def model_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     """Forward inputs for prompt + response: the exact token layout seen during generation."""
     input_ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)

@@ -1,12 +1,23 @@
-"""The trainer's forward pass: per-token log-probs (and entropy) of responses."""
+"""The trainer's forward pass: per-token log-probs (and entropy) of responses.
+
+The G responses of a group share one prompt (text and images), and the prompt is most of the
+sequence (a 64x64 image and its question are ~160 tokens, a response ~10). So when rows share a
+prompt, the prompt (vision tower included) goes through the model once per distinct prompt, and
+its key/value cache is indexed out to the rows that share it; the responses then attend to it.
+Gradients flow back through the cache into the shared prompt pass, so the log-probs, the loss and
+the gradients are those of the plain full-sequence forward (to float rounding: tested).
+"""
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 from transformers import PreTrainedModel
 
 from mmrl.algos.logprobs import entropy_from_logits, masked_logits, token_logprobs
-from mmrl.train.batching import model_inputs
+from mmrl.train.batching import model_inputs, prompt_groups, select_rows
 from mmrl.types import RolloutBatch
 
 
@@ -17,17 +28,20 @@ def response_logprobs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, R] of the response tokens, and their entropy [N, R] if asked
     (differentiable only with `entropy_grad`, for an entropy bonus).
 
-    Only the last R+1 positions go through the LM head (`logits_to_keep`): the prompt's logits
-    are never needed. Masked positions hold 0.
+    Only the positions that predict response tokens go through the LM head: the prompt's
+    logits are never needed. With `share_prompts`, rows with the same prompt share one prompt
+    pass (see the module docs). Masked positions hold 0.
     """
-    inputs = model_inputs(batch)
-    R = batch.response_ids.shape[1]
-    out = model(**inputs, logits_to_keep=R + 1, use_cache=False)
-    logits = out.logits[:, :-1]  # position t predicts response token t
+    logits = shared_prompt_logits(model, batch) if share_prompts else None
+    if logits is None:
+        R = batch.response_ids.shape[1]
+        out = model(**model_inputs(batch), logits_to_keep=R + 1, use_cache=False)
+        logits = out.logits[:, :-1]  # position t predicts response token t
     logits = masked_logits(logits, blocked[: logits.shape[-1]], temperature)
     mask = batch.response_mask
     logprobs = token_logprobs(logits, batch.response_ids).masked_fill(mask == 0, 0.0)
@@ -36,3 +50,105 @@ def response_logprobs(
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = entropy_from_logits(logits).masked_fill(mask == 0, 0.0)
     return logprobs, entropy
+
+
+def shared_prompt_logits(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor | None:
+    """Raw logits [N, R, V] predicting each response token, computing every distinct prompt once;
+    None when no two rows share a prompt or the model's positions cannot be laid out here.
+
+    1. a prompt pass over the distinct prompts (with their images) at the positions the model's
+       own full forward gives them, keeping the cache; its last position predicts the first
+       response token;
+    2. the cache indexed out to every row ([U] -> [N], differentiable), and a pass over the
+       responses (all but the last token) that attends to it. Response tokens are text: their
+       positions continue the prompt's last one by 1 per token, as in the full forward (and in
+       the rollout engine, `mmrl.rollout.hf`).
+    """
+    if not shares_prompts(model):
+        return None
+    groups = prompt_groups(batch)
+    if groups is None:
+        return None
+    first, inverse = groups
+    R = batch.response_ids.shape[1]
+    prompts = select_rows(batch, first)
+    inputs = {"input_ids": prompts.prompt_ids, "attention_mask": prompts.prompt_mask, **prompts.vision_inputs}
+    positions = position_ids(model, inputs)  # [3, U, P]
+    out = model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1)
+    head = out.logits[:, -1:][inverse]  # [N, 1, V]: predicts response token 0
+    if R == 1:
+        return head
+    cache = output_cache(out)
+    cache.reorder_cache(inverse)  # index_select over rows: the prompt's gradient sums over its group
+    steps = torch.arange(1, R, device=positions.device)
+    out = model(
+        input_ids=batch.response_ids[:, :-1],
+        attention_mask=torch.cat([batch.prompt_mask, batch.response_mask[:, :-1]], dim=1),
+        position_ids=positions[..., -1:][:, inverse] + steps,  # [3, N, R-1]
+        use_cache=True,
+        **{cache_argument(model): cache},
+    )
+    return torch.cat([head, out.logits], dim=1)
+
+
+def position_ids(model: PreTrainedModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Position ids [3, N, L] of model inputs (ids, mask, processor outputs), as the model's full
+    forward lays them out: Qwen-VL multimodal RoPE (`compute_3d_position_ids`), or 0..L-1 when
+    there is no image. None for models without that layout (they take the plain paths)."""
+    core = _multimodal_core(model)
+    if core is None:
+        return None
+    input_ids = inputs["input_ids"]
+    extra = {k: inputs.get(k) for k in _signature(type(core).compute_3d_position_ids) & _GRID_INPUTS}
+    with torch.no_grad():
+        positions = core.compute_3d_position_ids(
+            input_ids=input_ids,
+            inputs_embeds=None,
+            attention_mask=inputs["attention_mask"],
+            cache=None,
+            **extra,
+        )
+    if positions is None:  # no images: the text model counts positions from 0, padding included
+        L = input_ids.shape[1]
+        positions = torch.arange(L, device=input_ids.device).view(1, 1, L).expand(3, input_ids.shape[0], L)
+    return positions
+
+
+def shares_prompts(model: PreTrainedModel) -> bool:
+    """Whether rows with the same prompt can share one prompt pass on this model: the models
+    whose positions `position_ids` lays out (see the module docs)."""
+    return _multimodal_core(model) is not None
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The forward's keyword for a key/value cache (`cache` in recent transformers)."""
+    return "cache" if "cache" in _signature(type(_base(model)).forward) else "past_key_values"
+
+
+def output_cache(out) -> object:
+    """The key/value cache a forward returned (`cache`, or `past_key_values` before transformers
+    renamed it)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+_GRID_INPUTS = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids"})
+_POSITION_ARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "cache"})
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA (peft)
+
+
+def _multimodal_core(model: torch.nn.Module):
+    """The inner model that lays out multimodal positions (Qwen-VL's `model`), or None."""
+    core = getattr(_base(model), "model", None)
+    method = getattr(type(core), "compute_3d_position_ids", None)
+    if method is None or not _POSITION_ARGS <= _signature(method):
+        return None
+    return core
+
+
+@functools.lru_cache(maxsize=64)
+def _signature(function) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)

@@ -26,6 +26,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,9 +100,59 @@ class Trainee:
     reward_models: RewardPlacement | None = None
     """Model-based rewards, placed beside the policy (None: the run configures none)."""
 
+    # The learner: the policy's log-probs and update. Here, in this process; a training group
+    # across processes (`mmrl.distributed`) overrides these two.
+    def old_and_ref_logprobs(
+        self, cfg: Config, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [N, R] of the sampling policy ("old") and of the reference (step c)."""
+        return old_and_ref_logprobs(cfg, self.policy, self.reference, batch)
+
+    def update_policy(
+        self,
+        cfg: Config,
+        batch: RolloutBatch,
+        advantages: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+        weights: torch.Tensor | None,
+    ) -> dict[str, float]:
+        """The mini-batched policy update (step f); returns its `actor/...` metrics."""
+        return update_policy(
+            cfg, self.policy, self.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights
+        )
+
+    def close(self) -> None:
+        """Stop what the trainee started (verifier workers; actors and threads in other modes)."""
+        self.router.close()
+
+
+@dataclass
+class Composition:
+    """How a run is put together from the same pieces: what builds the trainee and what one step
+    is. The default is the single-process, on-policy loop; `trainer.backend=ray`
+    (`mmrl.distributed.ray_backend`) and `trainer.mode=async` (`mmrl.train.async_grpo`) swap them."""
+
+    make_trainee: Callable[[Config, Policy, Path | None], Trainee]
+    step: Callable[..., dict[str, float]]
+
+
+def composition(cfg: Config) -> Composition:
+    """The composition `trainer.backend` and `trainer.mode` ask for."""
+    if cfg.trainer.backend == "ray":
+        from mmrl.distributed.ray_backend import ray_composition
+
+        return ray_composition(cfg)
+    if cfg.trainer.mode == "async":
+        from mmrl.train.async_grpo import async_composition
+
+        return async_composition(cfg)
+    return Composition(make_trainee=make_trainee, step=grpo_step)
+
 
 def train(cfg: Config) -> TrainResult:
     t_start = time.monotonic()
+    compose = composition(cfg)
     # 1. Setup: seeds, threads.
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
@@ -118,7 +169,7 @@ def train(cfg: Config) -> TrainResult:
     # 3. Policy (LoRA / frozen parts), reference, rollout engine, router, optimizer; then the
     #    checkpoint to resume from, if any (its weights replace the policy's, not the reference's).
     model_path = Path(cfg.model.path) if cfg.model.path else builtin_base(cfg)
-    t = make_trainee(cfg, load_policy(model_path), run_dir)
+    t = compose.make_trainee(cfg, load_policy(model_path), run_dir)
     progress = RunProgress()
     resumed = resume_from(cfg, t, sampler, progress, run_dir)
     t.router.warm_up()
@@ -154,7 +205,7 @@ def train(cfg: Config) -> TrainResult:
                 range(first, total + 1), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True
             )
             for step in bar:
-                metrics = grpo_step(cfg, t, sampler, VerifyContext(step - 1, total), step=step)
+                metrics = compose.step(cfg, t, sampler, VerifyContext(step - 1, total), step=step)
                 metrics_log.log(step, metrics)
                 progress.step = step
                 guard_skips(cfg, progress, metrics, step, run_dir)
@@ -170,7 +221,7 @@ def train(cfg: Config) -> TrainResult:
                     break
             bar.close()
     finally:
-        t.router.close()
+        t.close()
         metrics_log.close()
 
     # 5. Final policy (HF format; LoRA adapters merged, and saved alone too), curves, summary.
@@ -360,10 +411,24 @@ def grpo_step(
     cfg: Config, t: Trainee, sampler: PromptSampler, context: VerifyContext, step: int = 0
 ) -> dict[str, float]:
     """One step on B prompts x G responses; returns its metrics."""
-    a, G = cfg.algo, cfg.rollout.group_size
     t0 = time.monotonic()
     # a. Rollout and rewards (scoring overlaps generation; DAPO may draw more prompts).
     batch, rewards, rollout_metrics = rollout_and_score(cfg, t, sampler, context)
+    return learn_from_rollouts(cfg, t, batch, rewards, rollout_metrics, step, t0)
+
+
+def learn_from_rollouts(
+    cfg: Config,
+    t: Trainee,
+    batch: RolloutBatch,
+    rewards: RewardBatch,
+    rollout_metrics: dict[str, float],
+    step: int,
+    t0: float,
+) -> dict[str, float]:
+    """Steps b-g of `grpo_step` on scored rollouts that began at time `t0` (the asynchronous mode
+    passes rollouts of an older policy here)."""
+    a, G = cfg.algo, cfg.rollout.group_size
     t1 = time.monotonic()
     valid = torch.tensor([r.error is None for r in rewards.results])
     dropped = ~valid if cfg.reward.on_error == "drop" else torch.zeros_like(valid)
@@ -391,7 +456,7 @@ def grpo_step(
         keep = keep * truncation_mask(batch.truncated)
     batch.response_mask = batch.response_mask * keep.unsqueeze(1).long()
     # c. Old and reference log-probs; the KL may go into the reward.
-    old_logprobs, ref_logprobs = old_and_ref_logprobs(cfg, t.policy, t.reference, batch)
+    old_logprobs, ref_logprobs = t.old_and_ref_logprobs(cfg, batch)
     if ref_logprobs is not None and a.kl_in_reward:
         scores = kl_penalized_rewards(
             scores, kl_estimate(old_logprobs, ref_logprobs, "k1"), batch.response_mask.float(), a.kl_coef
@@ -412,9 +477,7 @@ def grpo_step(
     # f. Policy update over mini-batches, then the learning-rate schedule.
     placed = t.reward_models.training() if t.reward_models is not None else contextlib.nullcontext()
     with placed:  # offloadable reward models leave the accelerator while the policy trains
-        metrics = update_policy(
-            cfg, t.policy, t.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights
-        )
+        metrics = t.update_policy(cfg, batch, advantages, old_logprobs, ref_logprobs, weights)
     if t.reward_models is not None:
         metrics.update(t.reward_models.metrics())
     metrics["actor/lr"] = t.scheduler.get_last_lr()[0]
