@@ -186,7 +186,7 @@ def test_coco_missing_image_file_is_an_error_naming_the_file(coco):
     message = str(info.value)
     assert f"{annotation_file} image 2 (id=coco/2)" in message
     assert "field 'images[0]'" in message
-    assert f"image file not found: {image_dir / 'b.png'}" in message
+    assert f"{image_dir / 'b.png'}: image file not found" in message
     # Without image checks the sample is still made (e.g. images copied in later).
     assert len(coco_to_samples(annotation_file, image_dir, check_images=False)) == 2
 
