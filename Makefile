@@ -2,7 +2,7 @@
 # they create .venv, install mmrl with the pinned versions in constraints.txt, then run.
 VENV ?= .venv
 # Everything the test suite exercises; `make install EXTRAS=dev` for a lighter install.
-EXTRAS ?= dev,serve,rewards,diffusion
+EXTRAS ?= dev,serve,rewards,diffusion,distributed
 PY := $(VENV)/bin/python
 # Keep the checkout's folders (datasets/, verifiers/) off sys.path: only `mmrl.*` is importable.
 export PYTHONSAFEPATH := 1

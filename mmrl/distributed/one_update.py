@@ -1,0 +1,62 @@
+"""One update of the training group on a saved step, launched by `torchrun`.
+
+Checks that a launch of the group computes what a single process computes on the same global
+batch (and is how the test does it):
+
+    torchrun --nproc_per_node 2 -m mmrl.distributed.one_update \\
+        --config run.yaml --model MODEL_DIR --step step.pt --out result.pt
+
+`step.pt` holds `{"batch": RolloutBatch, "advantages": [N], "weights": [N, R] or None}`. Every
+process computes the old (and reference) log-probs of its rows, the group exchanges them, then
+runs `GroupLearner.update`; rank 0 writes `{"state_dict", "metrics", "old_logprobs",
+"ref_logprobs"}` to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+
+from mmrl.config import load_config
+from mmrl.distributed.training_group import GroupLearner, merge_metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the run's config (YAML, as in a run directory)")
+    parser.add_argument("--model", required=True, help="the policy's Hugging Face folder")
+    parser.add_argument("--step", required=True, help="torch file: batch, advantages, TIS weights")
+    parser.add_argument("--out", required=True, help="where rank 0 writes the result")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    args = parser.parse_args(argv)
+
+    cfg = load_config(config_file=args.config)
+    learner = GroupLearner.from_env(cfg, args.model, threads=args.threads, dtype=getattr(torch, args.dtype))
+    step = torch.load(args.step, weights_only=False)
+    batch = step["batch"]
+    rows, old, ref = learner.old_and_ref_logprobs(batch)
+    parts: list = [None] * learner.world_size
+    dist.all_gather_object(parts, (rows, old, ref))
+    N, R = batch.response_ids.shape
+    old_all = torch.zeros(N, R, dtype=old.dtype)
+    ref_all = None if ref is None else torch.zeros(N, R, dtype=ref.dtype)
+    for part_rows, part_old, part_ref in parts:
+        old_all[part_rows] = part_old
+        if ref_all is not None:
+            ref_all[part_rows] = part_ref
+    metrics = learner.update(batch, step["advantages"], old_all, ref_all, step.get("weights"))
+    all_metrics: list = [None] * learner.world_size
+    dist.all_gather_object(all_metrics, metrics)
+    state = learner.full_state_dict()
+    if learner.rank == 0:
+        result = {"state_dict": state, "metrics": merge_metrics(all_metrics), "old_logprobs": old_all,
+                  "ref_logprobs": ref_all}  # fmt: skip
+        torch.save(result, args.out)
+    learner.close()
+
+
+if __name__ == "__main__":
+    main()

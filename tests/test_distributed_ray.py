@@ -1,0 +1,153 @@
+"""The Ray backend on a local 2-CPU cluster: the built-in task trains with two rollout workers, a
+reward worker and a two-process training group, with the local backend's metrics and run
+directory; a killed reward worker is replaced; a dead rollout worker is reported by name."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from mmrl.config import load_config  # noqa: E402
+from mmrl.datasets.procedural import make_samples  # noqa: E402
+from mmrl.distributed.ray_backend import RayRouter, RewardWorker, RolloutPool, RolloutWorker  # noqa: E402
+from mmrl.rollout.hf import SamplingParams  # noqa: E402
+from mmrl.router import Router  # noqa: E402
+from mmrl.train.grpo import train  # noqa: E402
+from mmrl.types import VerifyContext  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "trainer.total_steps=3",
+    "trainer.prompts_per_step=4",
+    "rollout.group_size=4",
+    "trainer.eval_size=16",
+    "trainer.eval_every=2",
+    "trainer.checkpoint_every=2",
+    "trainer.progress=false",
+    "reward.num_workers=1",
+    # OCR scores by edit distance, so even the random model's answers get rewards that differ
+    # within a group: every step has a gradient and the weight sync below is really tested.
+    "data.kinds=[ocr]",
+]
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))  # fmt: skip
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Qwen2-VL in a folder (every actor loads the policy from its folder)."""
+    from mmrl.models.loading import make_policy
+    from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm
+
+    spec, path = TinyVLMSpec(), tmp_path_factory.mktemp("model")
+    policy = make_policy(build_tiny_vlm(spec, seed=0), build_processor(spec))
+    policy.model.save_pretrained(path)
+    policy.processor.save_pretrained(path)
+    return path
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_builtin_task_trains_on_ray_with_the_local_backends_metrics_and_run_dir(
+    local_ray, model_dir, tmp_path
+):
+    common = [*SMALL, f"model.path={model_dir}"]
+    local = train(
+        load_config("vision_reasoning", overrides=[*common, f"trainer.run_dir={tmp_path / 'local'}"])
+    )
+    on_ray = train(
+        load_config(
+            "vision_reasoning",
+            overrides=[
+                *common,
+                f"trainer.run_dir={tmp_path / 'ray'}",
+                "trainer.backend=ray",
+                "trainer.rollout_workers=2",
+                "trainer.train_workers=2",
+                "trainer.ray_cpus_per_actor=0.25",
+            ],
+        )  # fmt: skip
+    )
+    assert on_ray.steps == 3 and not on_ray.interrupted
+    # The same files in the run directory, and the same metric names at every step.
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "training_curves.png", "final/config.json",
+                 "tensorboard", "checkpoints/step_00000002/manifest.json"):  # fmt: skip
+        assert (on_ray.run_dir / name).exists(), name
+    ray_records, local_records = _records(on_ray.run_dir), _records(local.run_dir)
+    assert [sorted(r) for r in ray_records] == [sorted(r) for r in local_records]
+    # Weight sync: after every update the rollout workers sample with the group's new weights, so
+    # their log-probs equal the group's recomputation (a stale worker would differ by ~1e-3 after
+    # an update at this learning rate).
+    steps = [r for r in ray_records if "rollout/kl_k1" in r]
+    assert len(steps) == 3 and all(abs(r["rollout/kl_k1"]) < 1e-5 for r in steps)
+    assert all(r["actor/grad_norm"] > 0 for r in steps)
+    # The driver's copy (the saved final policy) moved away from the start.
+    from mmrl.models.loading import load_policy
+
+    start, final = (
+        load_policy(model_dir).model.state_dict(),
+        load_policy(on_ray.run_dir / "final").model.state_dict(),
+    )
+    assert max(float((final[k] - start[k]).abs().max()) for k in start) > 1e-4
+
+
+def _reward_worker(cfg):
+    def start(name):
+        return ray.remote(RewardWorker).options(num_cpus=0.1, max_restarts=0).remote(cfg, 1)
+
+    return start
+
+
+def test_a_killed_reward_worker_is_replaced_and_its_batch_scored_again(local_ray, caplog):
+    cfg = load_config("vision_reasoning", overrides=["reward.num_workers=0"])
+    samples = make_samples(["colour_code"], 4, "train")
+    texts = [
+        f"\\boxed{{{s.reward_model.ground_truth}}}" if i % 2 else "no answer" for i, s in enumerate(samples)
+    ]
+    expected = Router(num_workers=0).score(samples, texts, VerifyContext()).scores
+    router = RayRouter(ray, _reward_worker(cfg), time_limit_s=5.0)
+    router.warm_up()
+    pending = router.start(VerifyContext(), len(samples))
+    for row, (sample, text) in enumerate(zip(samples, texts)):
+        pending.add(row, sample, text)
+    os.kill(ray.get(router.actor.pid.remote()), signal.SIGKILL)  # dies with the batch half-scored
+    with caplog.at_level(logging.WARNING, logger="mmrl.distributed.ray_backend"):
+        rewards = pending.result(samples, texts)
+    torch.testing.assert_close(rewards.scores, expected)
+    assert router.replacements == 1
+    assert "reward worker mmrl-reward-0 died" in caplog.text
+    # The replacement goes on scoring.
+    torch.testing.assert_close(router.score(samples, texts, VerifyContext()).scores, expected)
+    router.close()
+
+
+def test_a_dead_rollout_worker_is_reported_by_name(local_ray, model_dir):
+    cfg = load_config("vision_reasoning")
+    workers = [
+        ray.remote(RolloutWorker).options(num_cpus=0.1).remote(cfg, str(model_dir), k, 1) for k in range(2)
+    ]
+    names = ["rollout worker mmrl-rollout-0", "rollout worker mmrl-rollout-1"]
+    pool = RolloutPool(ray, workers, names, pad_token_id=0)
+    samples = make_samples(["colour_code"], 3, "train")
+    batch = pool.generate(samples, SamplingParams(n=2, max_new_tokens=4))
+    assert [s.id for s in batch.samples] == [s.id for s in samples for _ in range(2)]  # prompt-major
+    ray.kill(workers[1], no_restart=True)
+    with pytest.raises(RuntimeError, match="rollout worker mmrl-rollout-1 died"):
+        pool.generate(samples, SamplingParams(n=2, max_new_tokens=4))
+    ray.kill(workers[0], no_restart=True)
