@@ -1,0 +1,563 @@
+"""The vLLM rollout engine without vLLM: everything around the `LLM` calls.
+
+vLLM needs a GPU and is not installed on our machines, so these tests pin down what can run
+without it: the prompts equal the HF engine's, vLLM-shaped outputs become exactly the batch the
+HF engine returns for the same tokens, the weights to sync (full, LoRA merged, LoRA adapters),
+and the engine's calls into a stand-in `vllm` module (sleep / wake / weight sync / LoRA
+requests). What vLLM itself does with those calls is untested here.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.config import Config, load_config
+from mmrl.datasets.procedural import make_samples
+from mmrl.models.loading import Policy, load_policy, make_policy
+from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm
+from mmrl.rollout import vllm as engine_module
+from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, encode_prompts
+from mmrl.rollout.vllm import (
+    VLLMRolloutEngine,
+    adapter_weights,
+    allowed_token_ids,
+    completion_tensors,
+    lora_spec,
+    merged_weights,
+    rollout_from_vllm,
+    sync_mode,
+    vllm_prompts,
+    vllm_sampling_kwargs,
+    weights_to_sync,
+)
+from mmrl.train.forward import response_logprobs
+from mmrl.types import RewardSpec, Sample
+
+# ---------------------------------------------------------------------------------------------
+# Stand-ins shaped like vLLM's RequestOutput / CompletionOutput / Logprob
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class Completion:
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+
+
+@dataclass
+class RequestOutput:
+    outputs: list[Completion]
+    prompt_token_ids: list[int] | None = None
+    request_id: str = "0"
+    finished: bool = True
+
+
+def _sample(i: int, images: list, text: str) -> Sample:
+    return Sample(
+        "multi", [{"role": "user", "content": text}], images, "math", RewardSpec("1", "math"), {"id": str(i)}
+    )
+
+
+def _multi_image_samples() -> list[Sample]:
+    red, blue = Image.new("RGB", (64, 64), "red"), Image.new("RGB", (64, 64), "blue")
+    return [
+        _sample(0, [red, blue], "<image>first, <image>second: which is red?"),
+        _sample(1, [blue], "<image>colour?"),
+        _sample(2, [blue, red, red], "<image><image><image>count red"),
+    ]
+
+
+def _as_vllm_outputs(batch, n: int, stop_ids: list[int], shuffle: bool = True) -> list[RequestOutput]:
+    """What vLLM would return for the HF batch's tokens: each completion its ids up to and
+    including the stop token, the sampled id's log-prob among others, completions out of order."""
+    outputs = []
+    B = len(batch) // n
+    for i in range(B):
+        comps = []
+        for j in range(n):
+            row = i * n + j
+            length = int(batch.response_mask[row].sum())
+            ids = batch.response_ids[row, :length].tolist()
+            lps = batch.rollout_logprobs[row, :length].tolist()
+            positions = [
+                {tok: Logprob(lp, rank=1), (tok + 1) % 50: Logprob(-30.0)} for tok, lp in zip(ids, lps)
+            ]
+            finish = "length" if bool(batch.truncated[row]) else "stop"
+            comps.append(Completion(j, ids, positions, finish, ids[-1] if finish == "stop" else None))
+        if shuffle:
+            comps.reverse()
+        prompt = batch.prompt_ids[i * n][batch.prompt_mask[i * n].bool()].tolist()
+        outputs.append(RequestOutput(comps, prompt))
+    return outputs
+
+
+# ---------------------------------------------------------------------------------------------
+# Import and construction
+# ---------------------------------------------------------------------------------------------
+
+
+def test_importing_the_engine_and_the_async_trainer_never_imports_vllm(tmp_path):
+    """A poisoned `vllm` package first on the path: importing mmrl's modules must not touch it."""
+    poisoned = tmp_path / "vllm"
+    poisoned.mkdir()
+    (poisoned / "__init__.py").write_text("raise RuntimeError('vllm was imported')\n")
+    code = (
+        "import sys\n"
+        "import mmrl.rollout.vllm, mmrl.train.async_grpo, mmrl.distributed.ray_backend\n"
+        "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONSAFEPATH": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.fixture()
+def saved_policy(tmp_path) -> Policy:
+    """A tiny Qwen2-VL loaded from its folder (vLLM loads policies by path)."""
+    spec = TinyVLMSpec()
+    build_tiny_vlm(spec, seed=0).save_pretrained(tmp_path / "policy")
+    build_processor(spec).save_pretrained(tmp_path / "policy")
+    return load_policy(tmp_path / "policy")
+
+
+def test_without_vllm_the_engine_names_the_extra_to_install(saved_policy, monkeypatch):
+    from mmrl.train.async_grpo import make_rollout_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'mmrl\[vllm\]'"):
+        VLLMRolloutEngine.from_policy(saved_policy)
+    cfg = load_config(overrides=["rollout.engine=vllm"])
+    with pytest.raises(ImportError, match=r"pip install 'mmrl\[vllm\]'"):
+        make_rollout_engine(cfg, saved_policy)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts and sampling parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def test_prompts_are_the_text_and_images_the_hf_engine_feeds(tiny_policy):
+    samples = _multi_image_samples() + make_samples(["colour_code"], 1, "train")
+    prompts = vllm_prompts(tiny_policy.processor, samples, max_images=4)
+    hf = encode_prompts(tiny_policy.processor, samples)
+    image_pad = "<|image_pad|>"
+    for i, (p, s) in enumerate(zip(prompts, samples)):
+        images = p["multi_modal_data"]["image"]
+        assert [im.tobytes() for im in images] == [im.tobytes() for im in s.pil_images()]
+        assert p["prompt"].count(image_pad) == len(s.images)  # one placeholder per image, unexpanded
+        # The processor on this prompt alone gives the HF engine's (unpadded) prompt tokens.
+        alone = tiny_policy.processor(text=[p["prompt"]], images=images, return_tensors="pt")
+        assert alone["input_ids"][0].tolist() == hf["input_ids"][i][hf["attention_mask"][i].bool()].tolist()
+
+
+def test_a_text_only_prompt_has_no_multimodal_data_and_too_many_images_name_the_sample(tiny_policy):
+    text_only = _sample(7, [], "What is 2 + 3?")
+    (prompt,) = vllm_prompts(tiny_policy.processor, [text_only], max_images=4)
+    assert set(prompt) == {"prompt"} and "2 + 3" in prompt["prompt"]
+    with pytest.raises(ValueError, match=r"sample '2' has 3 images.*at most 2"):
+        vllm_prompts(tiny_policy.processor, _multi_image_samples(), max_images=2)
+
+
+def test_sampling_is_the_plain_tempered_softmax_over_the_allowed_ids(tiny_policy):
+    tok = tiny_policy.processor.tokenizer
+    allowed = allowed_token_ids(tiny_policy.blocked, len(tok))
+    assert tok.convert_tokens_to_ids("<|image_pad|>") not in allowed
+    assert tok.convert_tokens_to_ids("<|vision_start|>") not in allowed
+    assert set(tiny_policy.stop_token_ids) <= set(allowed)
+    assert len(allowed) == int((~tiny_policy.blocked[: len(tok)]).sum())
+    assert max(allowed) < len(tok)
+
+    kw = vllm_sampling_kwargs(SamplingParams(n=8, temperature=0.7, max_new_tokens=12), [5, 9], allowed)
+    assert kw == {
+        "n": 8,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "max_tokens": 12,
+        "stop_token_ids": [5, 9],
+        "logprobs": 0,  # the sampled token's log-prob only
+        "allowed_token_ids": allowed,
+    }
+    greedy = vllm_sampling_kwargs(SamplingParams(n=8, greedy=True, max_new_tokens=4), [5], None)
+    assert (greedy["n"], greedy["temperature"], greedy["logprobs"]) == (1, 0.0, None)
+    assert "allowed_token_ids" not in greedy
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM outputs -> RolloutBatch
+# ---------------------------------------------------------------------------------------------
+
+
+def test_outputs_become_the_batch_the_hf_engine_returns_for_the_same_tokens(tiny_policy):
+    """The HF engine samples; the same tokens and log-probs, shaped as vLLM returns them, go
+    through the conversion; every tensor of the batch must come out identical."""
+    policy = tiny_policy
+    stop = policy.stop_token_ids[0]
+    # Raise the stop token's logit so that some rows stop and others hit the length limit.
+    head = policy.model.get_output_embeddings()
+    hook = head.register_forward_hook(
+        lambda m, i, out: out.index_add(-1, torch.tensor([stop]), torch.full((*out.shape[:-1], 1), 2.5))
+    )
+    try:
+        torch.manual_seed(3)
+        samples = _multi_image_samples()
+        n, T = 3, 0.7
+        hf = HFRolloutEngine.from_policy(policy).generate(
+            samples, SamplingParams(n=n, temperature=T, max_new_tokens=8)
+        )
+        assert hf.truncated.any() and not hf.truncated.all()  # both kinds of rows are exercised
+        assert (hf.response_mask.sum(1) < hf.response_ids.shape[1]).any()  # some rows are padded
+
+        ours = rollout_from_vllm(
+            _as_vllm_outputs(hf, n, policy.stop_token_ids), samples, policy.processor, n,
+            policy.stop_token_ids, policy.pad_token_id,
+        )  # fmt: skip
+        assert [s.id for s in ours.samples] == [s.id for s in hf.samples]
+        for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "truncated"):
+            assert torch.equal(getattr(ours, name), getattr(hf, name)), name
+        torch.testing.assert_close(ours.rollout_logprobs, hf.rollout_logprobs, atol=0, rtol=0)
+        assert ours.vision_inputs.keys() == hf.vision_inputs.keys()
+        for key in hf.vision_inputs:
+            assert torch.equal(ours.vision_inputs[key], hf.vision_inputs[key]), key
+        assert ours.texts == hf.texts
+        assert (ours.images_per_row, ours.group_size) == (hf.images_per_row, hf.group_size)
+        # The trainer recomputes the same log-probs on the converted batch.
+        with torch.no_grad():
+            recomputed, _ = response_logprobs(policy.model, ours, policy.blocked, T)
+        torch.testing.assert_close(recomputed, ours.rollout_logprobs, atol=1e-5, rtol=0)
+    finally:
+        hook.remove()
+
+
+def test_completion_tensors_by_hand():
+    """Stop id 9, pad 0; two prompts, two completions each (given out of order)."""
+
+    def comp(index, ids, lps, finish):
+        return Completion(index, ids, [{t: Logprob(lp)} for t, lp in zip(ids, lps)], finish)
+
+    outputs = [
+        RequestOutput(
+            [comp(1, [5, 6, 7], [-0.5, -0.6, -0.7], "length"), comp(0, [5, 9], [-0.1, -0.2], "stop")]
+        ),
+        RequestOutput([comp(0, [9], [-0.3], "stop"), comp(1, [4, 4, 9], [-1.0, -1.5, -2.0], "length")]),
+    ]
+    ids, mask, lps, truncated = completion_tensors(outputs, 2, [9], 0, greedy=False)
+    assert ids.tolist() == [[5, 9, 0], [5, 6, 7], [9, 0, 0], [4, 4, 9]]
+    assert mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]]
+    torch.testing.assert_close(
+        lps, torch.tensor([[-0.1, -0.2, 0.0], [-0.5, -0.6, -0.7], [-0.3, 0.0, 0.0], [-1.0, -1.5, -2.0]])
+    )
+    # A stop token sampled at the length limit is a stop, as in the HF engine (vLLM says "length").
+    assert truncated.tolist() == [False, True, False, False]
+
+
+def test_greedy_outputs_have_zero_logprobs():
+    outputs = [RequestOutput([Completion(0, [3, 9], None, "stop")])]
+    ids, mask, lps, truncated = completion_tensors(outputs, 1, [9], 0, greedy=True)
+    assert ids.tolist() == [[3, 9]] and mask.tolist() == [[1, 1]]
+    assert lps.tolist() == [[0.0, 0.0]] and truncated.tolist() == [False]
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        ([RequestOutput([Completion(0, [3, 9], [{3: Logprob(-1.0)}, {9: Logprob(-1.0)}], "stop")])], "1 completions"),
+        ([RequestOutput([Completion(0, [3], [{4: Logprob(-1.0)}], "length")] * 2)], "no log-prob for the sampled id 3"),
+        ([RequestOutput([Completion(0, [3, 4], [{3: Logprob(-1.0)}], "length")] * 2)], "1 log-prob positions for 2"),
+        ([RequestOutput([Completion(0, [9, 4], [{9: Logprob(-1.0)}, {4: Logprob(-1.0)}], "length")] * 2)], "ends it after 1"),
+        ([RequestOutput([Completion(0, [3, 4], [{3: Logprob(-1.0)}, {4: Logprob(-1.0)}], "stop", "\n")] * 2)], "without a stop token"),
+        ([RequestOutput([Completion(0, [3], [{3: Logprob(-1.0)}], "abort")] * 2)], "aborted"),
+    ],
+)  # fmt: skip
+def test_outputs_that_do_not_fit_the_batch_are_errors(outputs, message):
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        completion_tensors(outputs, 2, [9], 0, greedy=False)
+
+
+def test_a_prompt_vllm_tokenized_differently_names_the_sample(tiny_policy):
+    samples = _multi_image_samples()[:1]
+    out = RequestOutput([Completion(0, [9], [{9: Logprob(-1.0)}], "stop")], prompt_token_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"sample '0': vLLM's prompt \(3 tokens\) differs"):
+        rollout_from_vllm([out], samples, tiny_policy.processor, 1, [9], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which weights are synced
+# ---------------------------------------------------------------------------------------------
+
+
+def _lora_model(rank: int = 4, alpha: float = 8.0):
+    from mmrl.models.adapters import apply_lora
+
+    cfg = Config()
+    cfg.model.lora_rank, cfg.model.lora_alpha = rank, alpha
+    model = apply_lora(build_tiny_vlm(TinyVLMSpec(), seed=0), cfg)
+    with torch.no_grad():  # trained adapters: B is no longer zero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def test_merged_lora_weights_equal_peft_merge_and_unload():
+    model = _lora_model()
+    spec = lora_spec(model)
+    assert spec.rank == 4 and set(spec.scaling.values()) == {2.0}  # alpha / r
+    merged = merged_weights(model.state_dict(), spec)
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(merged[key], reference[key], atol=1e-6, rtol=0, msg=key)
+    # The merge really changed the adapted layers (else the comparison proves little).
+    base = build_tiny_vlm(TinyVLMSpec(), seed=0).state_dict()
+    changed = [k for k in base if not torch.equal(base[k], merged[k])]
+    assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                                        "gate_proj.weight", "up_proj.weight", "down_proj.weight")) for k in changed)  # fmt: skip
+
+
+def test_adapter_weights_are_the_adapter_peft_saves():
+    from peft import get_peft_model_state_dict
+
+    model = _lora_model()
+    ours = adapter_weights(model.state_dict(), lora_spec(model))
+    peft = get_peft_model_state_dict(model)
+    assert ours.keys() == peft.keys()
+    for key in peft:
+        assert torch.equal(ours[key], peft[key]), key
+
+
+def test_sync_mode_picks_full_adapter_or_merged():
+    plain = build_tiny_vlm(TinyVLMSpec(), seed=0)
+    assert lora_spec(plain) is None
+    assert sync_mode(None, True) == "full"
+    assert weights_to_sync(plain.state_dict(), "full", None).keys() == plain.state_dict().keys()
+
+    model = _lora_model()
+    spec = lora_spec(model)
+    assert engine_module.only_adapters_train(model)
+    assert sync_mode(spec, True) == "adapter"
+    assert sync_mode(spec, True, prefer="merged") == "merged"
+    # A base part that trains too (the vision tower here) changes weights the adapter cannot carry.
+    for name, p in model.named_parameters():
+        if ".visual." in name:
+            p.requires_grad_(True)
+    assert not engine_module.only_adapters_train(model)
+    assert sync_mode(spec, False) == "merged"
+    with pytest.raises(ValueError, match="use 'merged'"):
+        sync_mode(spec, False, prefer="adapter")
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's calls into vLLM, against a stand-in `vllm` module
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeLLM:
+    """Records the engine's calls; its one worker holds an HF copy of the model."""
+
+    kwargs: dict
+    events: list = field(default_factory=list)
+    worker_model: torch.nn.Module | None = None
+    reply: list | None = None
+    generate_calls: list = field(default_factory=list)
+
+    def sleep(self, level: int = 1) -> None:
+        self.events.append(("sleep", level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.events.append(("wake_up", tags))
+
+    def reset_prefix_cache(self) -> None:
+        self.events.append(("reset_prefix_cache",))
+
+    @property
+    def llm_engine(self):
+        return types.SimpleNamespace(remove_lora=lambda lora_id: self.events.append(("remove_lora", lora_id)))
+
+    def collective_rpc(self, fn, args=(), kwargs=None):
+        hf = self.worker_model
+
+        class Model:  # vLLM's model: `load_weights(weights=[(name, tensor), ...])`
+            def load_weights(self, weights):
+                hf.load_state_dict(dict(weights), strict=True)
+
+        worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=Model()))
+        self.events.append(("collective_rpc", fn.__name__))
+        return [fn(worker, *args)]
+
+    def generate(self, prompts, sampling, use_tqdm=True, lora_request=None):
+        self.events.append(("generate",))
+        self.generate_calls.append((prompts, sampling, lora_request))
+        return self.reply
+
+
+@pytest.fixture()
+def fake_vllm(monkeypatch):
+    """A `vllm` module with LLM, SamplingParams and LoRARequest that record what they get."""
+    made: list[FakeLLM] = []
+    vllm = types.ModuleType("vllm")
+
+    def LLM(**kwargs):
+        llm = FakeLLM(kwargs)
+        made.append(llm)
+        return llm
+
+    vllm.LLM = LLM
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+
+    @dataclass
+    class LoRARequest:
+        lora_name: str
+        lora_int_id: int
+        lora_path: str
+
+    request.LoRARequest = LoRARequest
+    for name, module in (("vllm", vllm), ("vllm.lora", lora), ("vllm.lora.request", request)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return made
+
+
+def _reply(policy: Policy, samples: list[Sample], n: int) -> list[RequestOutput]:
+    stop = policy.stop_token_ids[0]
+    outputs = []
+    for s in samples:
+        inputs = encode_prompts(policy.processor, [s])
+        comps = [
+            Completion(j, [40 + j, stop], [{40 + j: Logprob(-1.0)}, {stop: Logprob(-0.5)}], "stop")
+            for j in range(n)
+        ]
+        outputs.append(RequestOutput(comps, inputs["input_ids"][0].tolist()))
+    return outputs
+
+
+def test_the_engine_sleeps_after_each_batch_and_wakes_weights_alone_to_sync(saved_policy, fake_vllm):
+    cfg = load_config(overrides=["rollout.engine=vllm", "rollout.vllm_sleep_level=1", "rollout.vllm_gpu_memory_utilization=0.3", "trainer.seed=5"])  # fmt: skip
+    from mmrl.train.async_grpo import make_rollout_engine
+
+    engine = make_rollout_engine(cfg, saved_policy)
+    assert isinstance(engine, VLLMRolloutEngine) and engine.mode == "full"
+    (llm,) = fake_vllm
+    assert llm.kwargs["model"] == str(saved_policy.model.name_or_path)
+    assert (llm.kwargs["gpu_memory_utilization"], llm.kwargs["enable_sleep_mode"], llm.kwargs["seed"]) == (
+        0.3,
+        True,
+        5,
+    )
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert "enable_lora" not in llm.kwargs
+
+    samples = make_samples(["colour_code"], 2, "train")
+    llm.reply = _reply(saved_policy, samples, 2)
+    seen = []
+    batch = engine.generate(
+        samples, SamplingParams(n=2, max_new_tokens=4), on_response=lambda r, t: seen.append(r)
+    )
+    assert batch.response_ids.shape == (4, 2) and batch.group_size == 2
+    assert batch.rollout_logprobs.tolist() == [[-1.0, -0.5]] * 4
+    assert sorted(seen) == [0, 1, 2, 3]
+    prompts, sampling, lora_request = llm.generate_calls[0]
+    assert len(prompts) == 2 and "multi_modal_data" in prompts[0] and lora_request is None
+    assert (sampling.n, sampling.logprobs, sampling.max_tokens) == (2, 0, 4)
+
+    # After the update: the trainer's new weights go into the worker's model.
+    worker = copy.deepcopy(saved_policy.model)
+    llm.worker_model = worker
+    trained = {k: v + 0.01 for k, v in saved_policy.model.state_dict().items()}
+    engine.load_weights(trained)
+    for k, v in worker.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    engine.generate(samples, SamplingParams(n=2, max_new_tokens=4))
+    assert llm.events == [
+        ("generate",),
+        ("sleep", 1),  # the GPU is the trainer's while it updates
+        ("wake_up", ["weights"]),  # weights back (KV cache still free) to take the new ones
+        ("collective_rpc", "load_weights_on_worker"),
+        ("reset_prefix_cache",),  # cached prefixes were computed with the old weights
+        ("wake_up", None),  # the rest (KV cache) for the next batch
+        ("generate",),
+        ("sleep", 1),
+    ]
+    with pytest.raises(KeyError, match="missing"):
+        engine.load_weights({k: v for k, v in trained.items() if "lm_head" not in k})
+
+
+def test_sleep_level_zero_never_sleeps(saved_policy, fake_vllm):
+    cfg = load_config(overrides=["rollout.vllm_sleep_level=0"])
+    engine = VLLMRolloutEngine.from_policy(saved_policy, cfg)
+    (llm,) = fake_vllm
+    assert llm.kwargs["enable_sleep_mode"] is False
+    samples = make_samples(["colour_code"], 1, "train")
+    llm.reply = _reply(saved_policy, samples, 1)
+    llm.worker_model = copy.deepcopy(saved_policy.model)
+    engine.generate(samples, SamplingParams(n=1, max_new_tokens=4))
+    engine.load_weights(saved_policy.model.state_dict())
+    assert [e[0] for e in llm.events] == ["generate", "collective_rpc", "reset_prefix_cache"]
+
+
+def test_a_lora_policy_syncs_its_adapters_as_a_new_lora_request(tmp_path, fake_vllm):
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from mmrl.models.adapters import apply_lora
+
+    spec = TinyVLMSpec()
+    build_tiny_vlm(spec, seed=0).save_pretrained(tmp_path / "base")
+    build_processor(spec).save_pretrained(tmp_path / "base")
+    policy = load_policy(tmp_path / "base")
+    cfg = Config()
+    cfg.model.lora_rank = 4
+    policy = make_policy(apply_lora(policy.model, cfg), policy.processor)
+    engine = VLLMRolloutEngine.from_policy(policy, cfg)
+    (llm,) = fake_vllm
+    assert engine.mode == "adapter"
+    assert (llm.kwargs["enable_lora"], llm.kwargs["max_lora_rank"]) == (True, 4)
+
+    samples = make_samples(["colour_code"], 1, "train")
+    llm.reply = _reply(policy, samples, 1)
+    folders = []
+    for version in (1, 2):
+        with torch.no_grad():
+            for name, p in policy.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        engine.load_weights(policy.model.state_dict())
+        engine.generate(samples, SamplingParams(n=1, max_new_tokens=4))
+        request = llm.generate_calls[-1][2]
+        assert (request.lora_int_id, request.lora_name) == (version, f"mmrl-v{version}")
+        folder = Path(request.lora_path)
+        saved = load_file(folder / "adapter_model.safetensors")
+        expected = get_peft_model_state_dict(policy.model)
+        assert saved.keys() == expected.keys()
+        assert all(torch.equal(saved[k], expected[k]) for k in expected)
+        assert (folder / "adapter_config.json").exists()
+        folders.append(folder)
+    assert not folders[0].exists()  # the previous adapter is gone
+    assert ("remove_lora", 1) in llm.events  # vLLM forgets the previous adapter
+    assert "collective_rpc" not in [e[0] for e in llm.events]  # adapters only, never full weights
+    engine.close()
+    assert not folders[1].exists()
