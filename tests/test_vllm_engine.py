@@ -273,6 +273,42 @@ def test_completion_tensors_by_hand():
     assert truncated.tolist() == [False, True, False, False]
 
 
+def test_greedy_outputs_are_the_hf_engines_greedy_batch(tiny_policy):
+    """Greedy asks vLLM for one completion per prompt; the batch repeats it to G rows with zero
+    log-probs, as the HF engine's greedy batch has."""
+    samples = _multi_image_samples()
+    hf = HFRolloutEngine.from_policy(tiny_policy).generate(
+        samples, SamplingParams(n=2, greedy=True, max_new_tokens=5)
+    )
+    outputs = []
+    for i in range(len(samples)):
+        length = int(hf.response_mask[2 * i].sum())
+        outputs.append(
+            RequestOutput([Completion(0, hf.response_ids[2 * i, :length].tolist(), None, "length")])
+        )
+    ours = rollout_from_vllm(
+        outputs,
+        samples,
+        tiny_policy.processor,
+        2,
+        tiny_policy.stop_token_ids,
+        tiny_policy.pad_token_id,
+        greedy=True,
+    )
+    for name in (
+        "prompt_ids",
+        "prompt_mask",
+        "response_ids",
+        "response_mask",
+        "truncated",
+        "rollout_logprobs",
+    ):
+        assert torch.equal(getattr(ours, name), getattr(hf, name)), name
+    assert ours.texts == hf.texts and ours.group_size == 2 and not ours.rollout_logprobs.any()
+    for key in hf.vision_inputs:
+        assert torch.equal(ours.vision_inputs[key], hf.vision_inputs[key]), key
+
+
 def test_greedy_outputs_have_zero_logprobs():
     outputs = [RequestOutput([Completion(0, [3, 9], None, "stop")])]
     ids, mask, lps, truncated = completion_tensors(outputs, 1, [9], 0, greedy=True)

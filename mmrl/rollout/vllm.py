@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,13 +211,14 @@ def rollout_from_vllm(
 
     Prompt ids, masks and vision inputs are the HF processor's for the B prompts, indexed out
     to their G rows (as the HF engine's shared-prompt path does); texts are decoded from the
-    ids with the processor, as the HF engine decodes them.
+    ids with the processor, as the HF engine decodes them. Greedy: vLLM is asked for one
+    completion per prompt, repeated to the G identical rows the HF engine returns.
     """
     from mmrl.train.batching import select_rows
 
     if len(outputs) != len(samples):
         raise ValueError(f"vLLM returned {len(outputs)} outputs for {len(samples)} prompts")
-    n = 1 if greedy else n
+    group_size, n = n, 1 if greedy else n  # greedy: one completion, repeated to the G rows
     inputs = encode_prompts(processor, list(samples))
     check_prompt_ids(outputs, inputs, samples)
     prompts = RolloutBatch(
@@ -236,7 +238,9 @@ def rollout_from_vllm(
     batch.response_ids, batch.response_mask, batch.rollout_logprobs = response, mask, logprobs
     batch.truncated = truncated
     batch.texts = processor.batch_decode(response, skip_special_tokens=True)
-    batch.group_size = n
+    if group_size != n:
+        batch = select_rows(batch, [i for i in range(len(samples)) for _ in range(group_size)])
+    batch.group_size = group_size
     return batch
 
 
@@ -455,7 +459,10 @@ class VLLMRolloutEngine:
         self.sleep_level = sleep_level
         self.max_images = max_images
         self.allowed = allowed_token_ids(blocked, len(processor.tokenizer))
-        self._lora_dir = Path(tempfile.mkdtemp(prefix="mmrl-vllm-lora-")) if self.mode == "adapter" else None
+        self._lora_dir = None
+        if self.mode == "adapter":
+            self._lora_dir = Path(tempfile.mkdtemp(prefix="mmrl-vllm-lora-"))
+            weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
         self._lora_request = None
         self._version = 0
         self._asleep: set[str] = set()  # the sleeping parts: "weights", "kv_cache"
