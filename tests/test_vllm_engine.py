@@ -555,6 +555,31 @@ def test_sleep_level_zero_never_sleeps(saved_policy, fake_vllm):
     assert [e[0] for e in llm.events] == ["generate", "collective_rpc", "reset_prefix_cache"]
 
 
+def test_sleep_level_two_sends_the_last_weights_again_before_generating(saved_policy, fake_vllm):
+    """Level 2 drops the weights: a batch generated without a sync in between (the asynchronous
+    generator reuses a version) must first get the last synced weights back."""
+    cfg = load_config(overrides=["rollout.vllm_sleep_level=2"])
+    engine = VLLMRolloutEngine.from_policy(saved_policy, cfg)
+    (llm,) = fake_vllm
+    samples = make_samples(["colour_code"], 1, "train")
+    llm.reply = _reply(saved_policy, samples, 1)
+    llm.worker_model = worker = copy.deepcopy(saved_policy.model)
+    params = SamplingParams(n=1, max_new_tokens=4)
+    engine.generate(samples, params)  # the weights vLLM loaded from the folder
+    with pytest.raises(RuntimeError, match="before any weights were loaded"):
+        engine.generate(samples, params)
+    trained = {k: v + 0.01 for k, v in saved_policy.model.state_dict().items()}
+    engine.load_weights(trained)
+    engine.generate(samples, params)
+    with torch.no_grad():  # level 2 really dropped them
+        for p in worker.parameters():
+            p.zero_()
+    llm.events.clear()
+    engine.generate(samples, params)
+    assert [e[0] for e in llm.events] == ["wake_up", "collective_rpc", "wake_up", "generate", "sleep"]
+    assert all(torch.equal(v, trained[k]) for k, v in worker.state_dict().items())
+
+
 def test_a_lora_policy_syncs_its_adapters_as_a_new_lora_request(tmp_path, fake_vllm):
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
@@ -568,6 +593,10 @@ def test_a_lora_policy_syncs_its_adapters_as_a_new_lora_request(tmp_path, fake_v
     cfg = Config()
     cfg.model.lora_rank = 4
     policy = make_policy(apply_lora(policy.model, cfg), policy.processor)
+    cfg.rollout.vllm_sleep_level = 2
+    with pytest.raises(ValueError, match="use rollout.vllm_sleep_level=1"):
+        VLLMRolloutEngine.from_policy(policy, cfg)
+    cfg.rollout.vllm_sleep_level = 1
     engine = VLLMRolloutEngine.from_policy(policy, cfg)
     (llm,) = fake_vllm
     assert engine.mode == "adapter"

@@ -22,7 +22,10 @@ What it does, and where each piece lives (the pure pieces are tested on CPU with
                    `LoRARequest`); pushed into every vLLM worker with `collective_rpc`
     memory         with `rollout.vllm_sleep_level` > 0 the engine sleeps after each batch
                    (weights offloaded or dropped, KV cache freed) so training can use the GPU,
-                   wakes its weights alone to load new ones, and wakes fully to generate
+                   wakes its weights alone to load new ones, and wakes fully to generate; after
+                   a level-2 sleep with no sync since, the last synced weights are sent again.
+                   Set 0 where the engine has its GPU to itself (separate rollout workers, the
+                   asynchronous mode): sleeping there only costs time
 
 What is not tested here: anything that runs vLLM itself (our machines have no GPU). Responses
 are handed to `on_response` when the whole batch returns (vLLM's `LLM.generate` is not
@@ -456,6 +459,11 @@ class VLLMRolloutEngine:
         self.expected_keys = set(expected_keys)
         self.lora = lora
         self.mode = sync_mode(lora, adapters_only, lora_sync)
+        if sleep_level == 2 and self.mode == "adapter":
+            raise ValueError(
+                "rollout.vllm_sleep_level=2 drops vLLM's base weights, which LoRA adapter sync never "
+                "sends again: use rollout.vllm_sleep_level=1"
+            )
         self.sleep_level = sleep_level
         self.max_images = max_images
         self.allowed = allowed_token_ids(blocked, len(processor.tokenizer))
@@ -466,6 +474,8 @@ class VLLMRolloutEngine:
         self._lora_request = None
         self._version = 0
         self._asleep: set[str] = set()  # the sleeping parts: "weights", "kv_cache"
+        self._weights_lost = False  # level 2 discarded the weights; the last sync is sent again
+        self._last_sync: list[tuple[str, torch.Tensor]] | None = None
         kwargs = llm_kwargs(
             model_path, gpu_memory_utilization, sleep_level, max_images, seed, lora, self.mode, **overrides
         )
@@ -521,6 +531,7 @@ class VLLMRolloutEngine:
             return
         self.llm.sleep(level=self.sleep_level)
         self._asleep = {"weights", "kv_cache"}
+        self._weights_lost = self.sleep_level == 2
 
     def wake(self, tags: list[str] | None = None) -> None:
         """Wake the given parts (`weights`, `kv_cache`), or all of them."""
@@ -550,6 +561,9 @@ class VLLMRolloutEngine:
             self.wake(["weights"])
             items = [(k, v.detach().cpu()) for k, v in weights.items()]
             self._call_workers(load_weights_on_worker, items)
+            self._weights_lost = False
+            if self.sleep_level == 2:  # kept (references, not copies) to refill dropped weights
+                self._last_sync = items
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if reset is not None:  # cached prompt prefixes hold the old weights' keys and values
             reset()
@@ -594,6 +608,15 @@ class VLLMRolloutEngine:
         `on_response(row, text)` is called for every row once the batch returns.
         """
         vllm = import_vllm()
+        if self._weights_lost:  # level-2 sleep and no sync since: send the last weights again
+            if self._last_sync is None:
+                raise RuntimeError(
+                    "vLLM slept at level 2 (weights dropped) before any weights were loaded: call "
+                    "load_weights first, or use rollout.vllm_sleep_level=1"
+                )
+            self.wake(["weights"])
+            self._call_workers(load_weights_on_worker, self._last_sync)
+            self._weights_lost = False
         self.wake()
         prompts = vllm_prompts(self.processor, samples, self.max_images)
         sampling = vllm.SamplingParams(**vllm_sampling_kwargs(params, self.stop_token_ids, self.allowed))
