@@ -1,0 +1,80 @@
+"""Every GRPO-family recipe learns: held-out accuracy rises on the built-in task.
+
+One fixed-seed run per family (GRPO, Dr.GRPO, GSPO, CISPO, REINFORCE++, GDPO with two rewards),
+each the shortened recipe of `test_training.py` with only the family's own settings changed, on
+the built-in base and `vision_reasoning`. Slow tests: the file took 4 min 19 s on the 2-core CI
+machine, the one-time base warm-up included; they run in CI too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmrl.config import load_config
+from mmrl.train.grpo import train
+
+pytestmark = pytest.mark.slow
+
+# The shortened recipe of test_training.py: the default one with fewer steps at a constant
+# learning rate, evaluated (greedy, 512 held-out prompts) at the start and at the end only.
+# 60 steps, not 40: the tiny model learns the colours one at a time (accuracy climbs in stairs),
+# and at 40 steps the gains were +18 to +33 points with one CISPO run at -3.9 (measured), too
+# close to the noise for a margin to mean anything.
+STEPS = 60
+SHORT_RECIPE = [
+    f"trainer.total_steps={STEPS}",
+    f"trainer.eval_every={STEPS}",
+    "optim.schedule=constant",
+    "trainer.progress=false",
+    "trainer.save_final=false",
+]
+# What makes each family (fields in mmrl/config.py, AlgoConfig); everything else is shared.
+FAMILIES = {
+    "grpo": [],
+    # no std division; token sums over a constant (rollout.max_new_tokens)
+    "dr_grpo": ["algo.advantage=dr_grpo", "algo.loss_agg=seq_mean_token_sum_norm"],
+    # the sequence-level ratio with the paper's clip ranges, sequence-mean aggregation
+    "gspo": [
+        "algo.policy_loss=gspo",
+        "algo.clip_low=3e-4",
+        "algo.clip_high=4e-4",
+        "algo.loss_agg=seq_mean_token_mean",
+    ],
+    # MiniMax-M1 bounds the importance weight from above only: clip_low 0.999 is a floor of 0.001
+    # (the config accepts clip_low < 1). With the PPO default floor of 0.8, CISPO raised entropy
+    # early and gained -3.9 / +18.6 points at 40 steps (seeds 0 / 1); with no floor +8.8 / +18.0.
+    "cispo": ["algo.policy_loss=cispo", "algo.clip_low=0.999", "algo.clip_high=0.28"],
+    "reinforce_pp": ["algo.advantage=reinforce_pp"],
+    # two rewards from the math verifier, normalised in their groups separately: accuracy and
+    # format (an answer could be extracted at all)
+    "gdpo": ["algo.advantage=gdpo", "algo.gdpo_components=[accuracy,format]"],
+}
+# Margin. Held-out accuracy is greedy on 512 prompts: each evaluation's sampling noise is at most
+# sqrt(0.25 / 512) = 2.2 points, so the difference of two evaluations has a standard deviation of
+# at most 3.1 points, and a run that learned nothing lands within a few points of its start.
+# Gains measured with this recipe (points; trainer.seed 0 / 1 on the seed-0 base, the 2-core CI
+# machine; this test runs seed 0 and reproduced the seed-0 figures):
+#   GRPO +40.8 / +40.4, Dr.GRPO +21.1 / +40.0, GSPO +48.0 / +37.7, CISPO +39.6 / +22.7,
+#   REINFORCE++ +24.6 / +26.2, GDPO +24.4 / +22.7.
+# Each family's margin is below half its smallest measured gain and at least 3 standard
+# deviations (9.3 points) above the evaluation noise.
+MIN_GAIN = {"grpo": 0.15, "dr_grpo": 0.10, "gspo": 0.15, "cispo": 0.10, "reinforce_pp": 0.10, "gdpo": 0.10}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_raises_heldout_accuracy(family, mmrl_cache, tmp_path):
+    cfg = load_config(
+        "vision_reasoning", overrides=[*SHORT_RECIPE, *FAMILIES[family], f"trainer.run_dir={tmp_path}"]
+    )
+    result = train(cfg)
+    gain = result.final_accuracy - result.start_accuracy
+    assert gain >= MIN_GAIN[family], f"{family}: {result.start_accuracy:.3f} -> {result.final_accuracy:.3f}"
+    if family == "gdpo":
+        # The second reward was computed at every step and did vary (the base sometimes gives no
+        # extractable answer), so its own group normalisation took part in the advantages.
+        lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        steps = [m for m in map(json.loads, lines) if "reward/accuracy" in m]
+        assert len(steps) == STEPS and all("reward/format" in m for m in steps)
+        assert min(m["reward/format"] for m in steps) < 1.0
