@@ -25,24 +25,27 @@ from mmrl.config import load_config  # noqa: E402
 from mmrl.models.base import builtin_base  # noqa: E402
 from mmrl.models.loading import load_policy  # noqa: E402
 from mmrl.train.data import PromptSampler, load_data
-from mmrl.train.grpo import grpo_step, make_trainee, seed_everything  # noqa: E402
+from mmrl.train.grpo import composition, seed_everything  # noqa: E402
 from mmrl.types import VerifyContext  # noqa: E402
 
 
 def run(cfg, policy, state, samples, steps: int) -> dict[str, float]:
+    """`steps` timed steps after one untimed warm-up step, as `mmrl.train.grpo.train` runs them
+    (the composition of `trainer.mode`); medians of the step timings."""
     policy.model.load_state_dict(state)
     seed_everything(cfg.trainer.seed)
-    t = make_trainee(cfg, policy)
+    compose = composition(cfg)
+    t = compose.make_trainee(cfg, policy, None)
     t.router.warm_up()
     sampler = PromptSampler(samples, cfg.trainer.seed)
     rows = []
     try:
-        for step in range(steps + 1):
-            m = grpo_step(cfg, t, sampler, VerifyContext(step, steps + 1))
-            if step:  # the first step is an untimed warm-up
+        for step in range(1, steps + 2):
+            m = compose.step(cfg, t, sampler, VerifyContext(step - 1, steps + 1), step=step)
+            if step > 1:  # the first step is an untimed warm-up
                 rows.append(m)
     finally:
-        t.router.close()
+        t.close()
     return {
         k: statistics.median(r[k] for r in rows)
         for k in ("time/step_s", "time/rollout_s", "time/reward_wait_s", "time/prep_s", "time/update_s")
@@ -56,8 +59,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--kind", choices=["sleep", "cpu"], default="sleep")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = parser.parse_args()
-    base = [f"reward.num_workers={args.workers}", "reward.plugins=[slow_verifier]"]
+    base = [
+        f"reward.num_workers={args.workers}",
+        "reward.plugins=[slow_verifier]",
+        f"trainer.total_steps={args.steps + 1}",
+        *args.overrides,
+    ]
     cfg = load_config("vision_reasoning", overrides=base)
     samples, _ = load_data(cfg)
     policy = load_policy(builtin_base(cfg))
@@ -91,6 +100,10 @@ def main() -> None:
         costly,
         args.steps,
     )
+    # Asynchronous RL (trainer.mode=async, one step ahead): generation and scoring of step k+1
+    # overlap the update of step k, so the verifier's cost also hides behind the update.
+    ahead = [*base, "reward.overlap=true", "trainer.mode=async", "trainer.max_staleness=1", "algo.tis=token"]
+    async_rl = run(load_config("vision_reasoning", overrides=ahead), policy, state, costly, args.steps)
 
     alone = free["time/step_s"]  # a free verifier: generation + update alone
     print(
@@ -101,7 +114,12 @@ def main() -> None:
         f"{cost_ms * n_rows / 1000:.2f} s vs generation {free['time/rollout_s']:.2f} s (medians)"
     )
     print(f"  generation + update alone    {alone:6.3f} s")
-    for name, r in (("rewards after generation", sync), ("rewards during generation", overlap)):
+    rows = (
+        ("rewards after generation", sync),
+        ("rewards during generation", overlap),
+        ("+ async RL, 1 step ahead", async_rl),
+    )
+    for name, r in rows:
         print(
             f"  {name:<28} {r['time/step_s']:6.3f} s  (= {r['time/step_s'] / alone:4.2f}x; rollout {r['time/rollout_s']:.3f}, "
             f"reward wait {r['time/reward_wait_s']:.3f}, update {r['time/prep_s'] + r['time/update_s']:.3f})"
