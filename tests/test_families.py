@@ -2,7 +2,7 @@
 
 One fixed-seed run per family (GRPO, Dr.GRPO, GSPO, CISPO, REINFORCE++, GDPO with two rewards),
 each the shortened recipe of `test_training.py` with only the family's own settings changed, on
-the built-in base and `vision_reasoning`. Slow tests: the file took 4 min 19 s on the 2-core CI
+the built-in base and `vision_reasoning`. Slow tests: the file took 4 min 9 s on the 2-core CI
 machine, the one-time base warm-up included; they run in CI too.
 """
 
