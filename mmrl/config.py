@@ -347,7 +347,10 @@ class Config:
                 (self.trainer.prompts_per_step * self.rollout.group_size) % self.trainer.mini_batches == 0,
                 "trainer.mini_batches must divide prompts_per_step * group_size",
             ),
-            (0 <= self.algo.clip_low < 1, "algo.clip_low must be in [0, 1)"),
+            (
+                0 <= self.algo.clip_low and (self.algo.clip_low < 1 or self.algo.policy_loss == "cispo"),
+                "algo.clip_low must be in [0, 1) (>= 1 only with algo.policy_loss=cispo: no lower bound)",
+            ),
             (self.algo.clip_high >= 0, "algo.clip_high must be >= 0"),
             (self.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator must be k1, k2 or k3"),
             (

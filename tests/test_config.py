@@ -38,6 +38,15 @@ def test_invalid_combinations_are_rejected_with_a_reason():
         load_config("nope")
     with pytest.raises(ValueError, match="key=value"):
         load_config("vision_reasoning", overrides=["lonely"])
+    # A lower clip bound of 1 or more removes the floor: CISPO's choice, meaningless for PPO.
+    with pytest.raises(ValueError, match=r"clip_low must be in \[0, 1\)"):
+        load_config("vision_reasoning", overrides=["algo.clip_low=1.0"])
+    assert (
+        load_config(
+            "vision_reasoning", overrides=["algo.policy_loss=cispo", "algo.clip_low=1.0"]
+        ).algo.clip_low
+        == 1
+    )
 
 
 CONFIG_ROOTS = {
