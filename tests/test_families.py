@@ -44,7 +44,8 @@ FAMILIES = {
     ],
     # MiniMax-M1 bounds the importance weight from above only: clip_low 0.999 is a floor of 0.001
     # (as measured; clip_low >= 1, no floor at all, is also accepted with cispo). With the PPO
-    # default floor of 0.8, CISPO raised entropy early and gained -3.9 / +18.6 points at 40 steps (seeds 0 / 1); with no floor +8.8 / +18.0.
+    # default floor of 0.8, CISPO raised entropy early and gained -3.9 / +18.6 points at 40 steps
+    # (seeds 0 / 1); with no floor +8.8 / +18.0.
     "cispo": ["algo.policy_loss=cispo", "algo.clip_low=0.999", "algo.clip_high=0.28"],
     "reinforce_pp": ["algo.advantage=reinforce_pp"],
     # two rewards from the math verifier, normalised in their groups separately: accuracy and
