@@ -13,7 +13,7 @@ models, and single-response calls (greedy evaluation), go through Hugging Face `
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -193,18 +193,7 @@ class HFRolloutEngine:
 
         G, model = params.n, self.model
         inputs = encode_prompts(self.processor, samples)
-        prompts = RolloutBatch(
-            samples=list(samples),
-            prompt_ids=inputs["input_ids"],
-            prompt_mask=inputs["attention_mask"],
-            response_ids=inputs["input_ids"][:, :0],
-            response_mask=inputs["attention_mask"][:, :0],
-            rollout_logprobs=torch.zeros(len(samples), 0),
-            vision_inputs={k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")},
-            texts=[""] * len(samples),
-            truncated=torch.zeros(len(samples), dtype=torch.bool),
-            images_per_row=[len(s.images) for s in samples],
-        )
+        prompts = prompt_batch(samples, inputs)
         rows = [i for i in range(len(samples)) for _ in range(G)]
         index = torch.tensor(rows, dtype=torch.long, device=inputs["input_ids"].device)
         positions = position_ids(model, inputs)  # [3, B, P]
@@ -314,6 +303,23 @@ def encode_prompts(processor: ProcessorMixin, rows: list[Sample]) -> dict[str, t
     images = [im for s in rows for im in s.pil_images()]
     processor.tokenizer.padding_side = "left"
     return dict(processor(text=texts, images=images or None, padding=True, return_tensors="pt"))
+
+
+def prompt_batch(samples: Sequence[Sample], inputs: Mapping[str, torch.Tensor]) -> RolloutBatch:
+    """One row per sample holding only its prompt (the processor's `inputs`), no response yet:
+    what an engine indexes out to its G rows per prompt before filling in the responses."""
+    return RolloutBatch(
+        samples=list(samples),
+        prompt_ids=inputs["input_ids"],
+        prompt_mask=inputs["attention_mask"],
+        response_ids=inputs["input_ids"][:, :0],
+        response_mask=inputs["attention_mask"][:, :0],
+        rollout_logprobs=torch.zeros(len(samples), 0),
+        vision_inputs={k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")},
+        texts=[""] * len(samples),
+        truncated=torch.zeros(len(samples), dtype=torch.bool),
+        images_per_row=[len(s.images) for s in samples],
+    )
 
 
 def response_mask_from_stops(

@@ -47,7 +47,7 @@ import torch
 from transformers import ProcessorMixin
 
 from mmrl.models.loading import Policy
-from mmrl.rollout.hf import SamplingParams, encode_prompts, response_mask_from_stops
+from mmrl.rollout.hf import SamplingParams, encode_prompts, prompt_batch, response_mask_from_stops
 from mmrl.types import RolloutBatch, Sample
 
 INSTALL_HINT = "the vLLM rollout engine needs vLLM and a GPU: pip install 'mmrl[vllm]'"
@@ -224,18 +224,7 @@ def rollout_from_vllm(
     group_size, n = n, 1 if greedy else n  # greedy: one completion, repeated to the G rows
     inputs = encode_prompts(processor, list(samples))
     check_prompt_ids(outputs, inputs, samples)
-    prompts = RolloutBatch(
-        samples=list(samples),
-        prompt_ids=inputs["input_ids"],
-        prompt_mask=inputs["attention_mask"],
-        response_ids=inputs["input_ids"][:, :0],
-        response_mask=inputs["attention_mask"][:, :0],
-        rollout_logprobs=torch.zeros(len(samples), 0),
-        vision_inputs={k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")},
-        texts=[""] * len(samples),
-        truncated=torch.zeros(len(samples), dtype=torch.bool),
-        images_per_row=[len(s.images) for s in samples],
-    )
+    prompts = prompt_batch(samples, inputs)
     batch = select_rows(prompts, [i for i in range(len(samples)) for _ in range(n)])
     response, mask, logprobs, truncated = completion_tensors(outputs, n, stop_token_ids, pad_token_id, greedy)
     batch.response_ids, batch.response_mask, batch.rollout_logprobs = response, mask, logprobs
