@@ -7,6 +7,7 @@ off in favour of the verifier's per-call limit (one timer, not two fighting over
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from mmrl.types import Sample, VerifierResult, VerifyContext
@@ -64,6 +65,14 @@ def _parse(text: str):
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(text: str) -> tuple:
+    """The ground truth's parse, kept: a GRPO group scores G responses against one gold answer,
+    and parsing it again for each was half of the verifier's time. (A tuple of immutable sympy
+    objects, so a cached value cannot be changed by a caller.)"""
+    return tuple(_parse(text))
+
+
 @register_verifier("math")
 class MathVerifier(Verifier):
     """Accuracy 1 if the extracted answer equals the ground truth (math-verify). Format: see
@@ -98,7 +107,9 @@ class MathVerifier(Verifier):
         accuracy = 0.0
         if answer:
             predicted = _parse(answer)
-            if predicted and verify(_parse(gold_text), predicted, timeout_seconds=None, raise_on_error=True):
+            if predicted and verify(
+                list(_parse_gold(gold_text)), predicted, timeout_seconds=None, raise_on_error=True
+            ):
                 accuracy = 1.0
         fmt = format_score(response, sample, answer is not None)
         return VerifierResult(
