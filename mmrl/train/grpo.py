@@ -424,8 +424,9 @@ def grpo_step(
 ) -> dict[str, float]:
     """One step on B prompts x G responses; returns its metrics."""
     t0 = time.monotonic()
-    # a. Rollout and rewards (scoring overlaps generation; DAPO may draw more prompts).
-    batch, rewards, rollout_metrics = rollout_and_score(cfg, t, sampler, context)
+    # a. Rollout and rewards (scoring overlaps generation, and the old/reference log-probs when
+    #    `reward.overlap`; DAPO may draw more prompts).
+    batch, rewards, rollout_metrics = rollout_and_score(cfg, t, sampler, context, defer=True)
     return learn_from_rollouts(cfg, t, batch, rewards, rollout_metrics, step, t0)
 
 
@@ -433,15 +434,22 @@ def learn_from_rollouts(
     cfg: Config,
     t: Trainee,
     batch: RolloutBatch,
-    rewards: RewardBatch,
+    rewards: RewardBatch | Callable[[], tuple[RewardBatch, float]],
     rollout_metrics: dict[str, float],
     step: int,
     t0: float,
 ) -> dict[str, float]:
     """Steps b-g of `grpo_step` on scored rollouts that began at time `t0` (the asynchronous mode
-    passes rollouts of an older policy here)."""
+    passes rollouts of an older policy here). `rewards` may still be being computed (a function
+    that waits for them and returns them with the seconds waited): the old and reference
+    log-probs need no rewards, so they are computed first, while the last responses are scored."""
     a, G = cfg.algo, cfg.rollout.group_size
     t1 = time.monotonic()
+    early_logprobs = None
+    if callable(rewards):
+        early_logprobs = t.old_and_ref_logprobs(cfg, batch)
+        rewards, waited = rewards()
+        rollout_metrics = {**rollout_metrics, "time/reward_wait_s": waited}
     valid = torch.tensor([r.error is None for r in rewards.results])
     dropped = ~valid if cfg.reward.on_error == "drop" else torch.zeros_like(valid)
     # Numeric guard: a non-finite reward means a broken verifier or reward model; the step is
@@ -467,8 +475,15 @@ def learn_from_rollouts(
     if a.mask_truncated:
         keep = keep * truncation_mask(batch.truncated)
     batch.response_mask = batch.response_mask * keep.unsqueeze(1).long()
-    # c. Old and reference log-probs; the KL may go into the reward.
-    old_logprobs, ref_logprobs = t.old_and_ref_logprobs(cfg, batch)
+    # c. Old and reference log-probs (masked like the batch when computed early); the KL may go
+    #    into the reward.
+    if early_logprobs is None:
+        old_logprobs, ref_logprobs = t.old_and_ref_logprobs(cfg, batch)
+    else:
+        masked_out = batch.response_mask == 0
+        old_logprobs, ref_logprobs = (
+            None if x is None else x.masked_fill(masked_out, 0.0) for x in early_logprobs
+        )
     if ref_logprobs is not None and a.kl_in_reward:
         scores = kl_penalized_rewards(
             scores, kl_estimate(old_logprobs, ref_logprobs, "k1"), batch.response_mask.float(), a.kl_coef
@@ -520,9 +535,11 @@ def learn_from_rollouts(
 
 
 def generate_and_score(
-    cfg: Config, t: Trainee, samples: list, context: VerifyContext
-) -> tuple[RolloutBatch, RewardBatch, float]:
-    """G responses per sample, each handed to the router the moment it is finished."""
+    cfg: Config, t: Trainee, samples: list, context: VerifyContext, defer: bool = False
+) -> tuple[RolloutBatch, RewardBatch | Callable[[], tuple[RewardBatch, float]], float]:
+    """G responses per sample, each handed to the router the moment it is finished. With
+    `defer`, the rewards are returned as a function that waits for them (with the seconds
+    waited), so that other work can go on while the last responses are scored."""
     G = cfg.rollout.group_size
     params = SamplingParams(
         n=G, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens
@@ -531,11 +548,18 @@ def generate_and_score(
     pending = t.router.start(context, len(rows))
     on_response = (lambda r, text: pending.add(r, rows[r], text)) if overlap_rewards(cfg) else None
     batch = t.engine.generate(samples, params, on_response=on_response)
-    waited = time.monotonic()
-    rewards = pending.result(batch.samples, batch.texts)
-    if t.reward_models is not None:
-        add_model_rewards(t.reward_models, batch, rewards)
-    return batch, rewards, time.monotonic() - waited
+
+    def finish() -> tuple[RewardBatch, float]:
+        waited = time.monotonic()
+        rewards = pending.result(batch.samples, batch.texts)
+        if t.reward_models is not None:
+            add_model_rewards(t.reward_models, batch, rewards)
+        return rewards, time.monotonic() - waited
+
+    if defer:
+        return batch, finish, 0.0
+    rewards, waited = finish()
+    return batch, rewards, waited
 
 
 def add_model_rewards(placement: RewardPlacement, batch: RolloutBatch, rewards: RewardBatch) -> None:
@@ -553,13 +577,18 @@ def add_model_rewards(placement: RewardPlacement, batch: RolloutBatch, rewards: 
 
 
 def rollout_and_score(
-    cfg: Config, t: Trainee, sampler: PromptSampler, context: VerifyContext
-) -> tuple[RolloutBatch, RewardBatch, dict[str, float]]:
+    cfg: Config, t: Trainee, sampler: PromptSampler, context: VerifyContext, defer: bool = False
+) -> tuple[RolloutBatch, RewardBatch | Callable[[], tuple[RewardBatch, float]], dict[str, float]]:
     """B groups of G scored responses. With DAPO dynamic sampling, groups whose rewards are all
     equal (no learning signal) are dropped and more prompts are drawn, at most
-    `algo.max_resample_batches` extra rounds; a step may end with fewer groups."""
+    `algo.max_resample_batches` extra rounds; a step may end with fewer groups. `defer` (taken
+    when scores overlap generation and DAPO does not need them here): the rewards come back as
+    a function that waits for them (see `generate_and_score`)."""
     B, G = cfg.trainer.prompts_per_step, cfg.rollout.group_size
-    batch, rewards, waited = generate_and_score(cfg, t, sampler.next(B), context)
+    defer = defer and overlap_rewards(cfg) and not cfg.algo.dynamic_sampling
+    batch, rewards, waited = generate_and_score(cfg, t, sampler.next(B), context, defer=defer)
+    if defer:
+        return batch, rewards, {}
     if not cfg.algo.dynamic_sampling:
         return batch, rewards, {"time/reward_wait_s": waited}
     kept_batches, kept_rewards, n_kept, rounds, generated = [], [], 0, 1, B
