@@ -49,11 +49,31 @@ class RewardBatch:
     _keys: list[str] = field(default_factory=list, repr=False)
     """`verifier/data_source` of each row (for recounting errors of a selection)."""
 
+    @classmethod
+    def gather(cls, samples: list[Sample], results: list[VerifierResult]) -> RewardBatch:
+        """The results of a batch in row order; each error is logged with its sample id and
+        counted under its sample's `verifier/data_source`."""
+        for sample, result in zip(samples, results):
+            if result.error is not None:
+                log.warning(
+                    "verifier %s failed on sample %s: %s",
+                    sample.reward_model.verifier,
+                    sample.id,
+                    result.error,
+                )
+        keys = [f"{s.reward_model.verifier}/{s.data_source}" for s in samples]
+        return cls._counted(results, torch.tensor([r.score for r in results], dtype=torch.float32), keys)
+
+    @classmethod
+    def _counted(cls, results: list[VerifierResult], scores: torch.Tensor, keys: list[str]) -> RewardBatch:
+        return cls(results=results, scores=scores, errors=_count(results, keys, False),
+                   timeouts=_count(results, keys, True), _keys=keys)  # fmt: skip
+
     def select(self, rows: list[int]) -> RewardBatch:
         """The results of the given rows (errors recounted from them)."""
-        results = [self.results[r] for r in rows]
-        return RewardBatch(results=results, scores=self.scores[rows], errors=_count(results, self._keys, rows, False),
-                           timeouts=_count(results, self._keys, rows, True))  # fmt: skip
+        return RewardBatch._counted(
+            [self.results[r] for r in rows], self.scores[rows], [self._keys[r] for r in rows]
+        )
 
     @staticmethod
     def concat(parts: list[RewardBatch]) -> RewardBatch:
@@ -100,33 +120,15 @@ class PendingRewards:
         for row, (sample, text) in enumerate(zip(samples, texts)):
             if self._texts[row] != text:
                 self.add(row, sample, text)
-        results: list[VerifierResult] = []
-        errors: Counter = Counter()
-        timeouts: Counter = Counter()
-        for sample, fut in zip(samples, self._futures):
-            result = _resolve(fut, self.router.time_limit_s)
-            key = f"{sample.reward_model.verifier}/{sample.data_source}"
-            if result.error is not None:
-                errors[key] += 1
-                if result.error.startswith("timeout"):
-                    timeouts[key] += 1
-                log.warning(
-                    "verifier %s failed on sample %s: %s",
-                    sample.reward_model.verifier,
-                    sample.id,
-                    result.error,
-                )
-            results.append(result)
-        scores = torch.tensor([r.score for r in results], dtype=torch.float32)
-        keys = [f"{s.reward_model.verifier}/{s.data_source}" for s in samples]
-        return RewardBatch(results=results, scores=scores, errors=errors, timeouts=timeouts, _keys=keys)
+        results = [_resolve(fut, self.router.time_limit_s) for fut in self._futures]
+        return RewardBatch.gather(samples, results)
 
 
-def _count(results: list[VerifierResult], keys: list[str], rows: list[int], timeouts_only: bool) -> Counter:
+def _count(results: list[VerifierResult], keys: list[str], timeouts_only: bool) -> Counter:
     counts: Counter = Counter()
-    for r, result in zip(rows, results):
+    for key, result in zip(keys, results):
         if result.error is not None and (not timeouts_only or result.error.startswith("timeout")):
-            counts[keys[r]] += 1
+            counts[key] += 1
     return counts
 
 

@@ -150,3 +150,29 @@ def test_a_row_added_with_a_stale_text_is_rescored_with_the_final_text():
         pending.add(0, samples[0], "\\boxed{4}")  # e.g. a partial text
         batch = pending.result(samples, ["\\boxed{3}", "\\boxed{3}"])
     assert batch.scores.tolist() == [1.0, 1.0]
+
+
+def test_a_reward_batch_recounts_errors_per_source_after_select_and_concat():
+    # Every router (local, remote, Ray) builds its batch with RewardBatch.gather, so DAPO's
+    # select/concat can recount errors by each row's verifier/data_source.
+    from mmrl.router import RewardBatch
+    from mmrl.types import VerifierResult
+
+    samples = make_samples(["colour_code", "count"], 4, "train")
+    results = [
+        VerifierResult(score=1.0),
+        VerifierResult(score=0.0, error="timeout: killed after 6s"),
+        VerifierResult(score=0.0, error="ValueError: bad"),
+        VerifierResult(score=0.5),
+    ]
+    batch = RewardBatch.gather(samples, results)
+    sources = [f"{s.reward_model.verifier}/{s.data_source}" for s in samples]
+    assert sources[1] != sources[2]
+    assert batch.errors == {sources[1]: 1, sources[2]: 1} and batch.timeouts == {sources[1]: 1}
+    assert batch.scores.tolist() == [1.0, 0.0, 0.0, 0.5]
+    picked = batch.select([3, 1])
+    assert picked.scores.tolist() == [0.5, 0.0]
+    assert picked.errors == {sources[1]: 1} and picked.timeouts == {sources[1]: 1}
+    both = RewardBatch.concat([picked, batch.select([2])])
+    assert both.errors == {sources[1]: 1, sources[2]: 1} and both.timeouts == {sources[1]: 1}
+    assert both.select([2]).errors == {sources[2]: 1}  # keys travel through select and concat

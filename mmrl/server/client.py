@@ -31,7 +31,6 @@ import os
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -334,8 +333,6 @@ class RemotePendingRewards:
         """Every row's `VerifierResult` as a `mmrl.router.RewardBatch`. Rows never added, or
         added with another text, are scored now. Raises `RewardServiceError` if the server
         gives no answer."""
-        import torch
-
         from mmrl.router import RewardBatch
 
         if len(samples) != len(texts) or len(texts) != len(self._texts):
@@ -346,26 +343,7 @@ class RemotePendingRewards:
                     self._texts[row] = text
                     self._buffer.append((row, sample, text))
             self._flush()
-        results: list[VerifierResult] = []
-        errors: Counter = Counter()
-        timeouts: Counter = Counter()
-        for sample, entry in zip(samples, self._futures):
-            future, k = entry
-            result = future.result()[k]
-            if result.error is not None:
-                key = f"{sample.reward_model.verifier}/{sample.data_source}"
-                errors[key] += 1
-                if result.error.startswith("timeout"):
-                    timeouts[key] += 1
-                log.warning(
-                    "verifier %s failed on sample %s: %s",
-                    sample.reward_model.verifier,
-                    sample.id,
-                    result.error,
-                )
-            results.append(result)
-        scores = torch.tensor([r.score for r in results], dtype=torch.float32)
-        return RewardBatch(results=results, scores=scores, errors=errors, timeouts=timeouts)
+        return RewardBatch.gather(samples, [future.result()[k] for future, k in self._futures])
 
 
 class RemoteRouter:
