@@ -106,3 +106,32 @@ def test_every_family_rolls_out_and_recomputes_the_same_logprobs_with_multi_imag
         part, _ = response_logprobs(policy.model, select_rows(batch, [4, 1]), policy.blocked, 1.0)
     torch.testing.assert_close(full, batch.rollout_logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(part, batch.rollout_logprobs[[4, 1]], atol=1e-5, rtol=0)
+
+
+def test_building_the_builtin_base_leaves_the_random_generators_as_they_were(
+    tmp_path, monkeypatch, tiny_policy
+):
+    # The warm-up draws from the global generators; a run must sample the same whether its base
+    # was built just now or found in the cache. (The warm-up itself is replaced by a quick one
+    # that draws as the real one does.)
+    import random
+
+    import numpy as np
+
+    from mmrl.config import load_config
+    from mmrl.models import base
+
+    def quick_warm_up(cfg):
+        torch.rand(100), np.random.rand(10), random.random()
+        return tiny_policy, {"validation_accuracy": 0.0}
+
+    monkeypatch.setattr(base, "warm_up", quick_warm_up)
+    cfg = load_config("vision_reasoning", overrides=[f"model.cache_dir={tmp_path}"])
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    path = base.builtin_base(cfg)  # built
+    after_build = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    assert base.builtin_base(cfg) == path  # found in the cache
+    after_cache = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(after_build[0], after_cache[0])
+    assert np.array_equal(after_build[1], after_cache[1]) and after_build[2] == after_cache[2]

@@ -30,6 +30,7 @@ from mmrl.models.loading import Policy, make_policy
 from mmrl.models.tiny import build_processor, build_tiny_vlm
 from mmrl.rollout.hf import HFRolloutEngine, encode_prompts
 from mmrl.router import Router
+from mmrl.train.checkpoint import rng_state, set_rng_state
 from mmrl.train.evaluation import evaluate
 from mmrl.train.forward import response_logprobs
 from mmrl.types import RolloutBatch, Sample
@@ -60,12 +61,18 @@ def base_key(cfg: Config) -> str:
 
 
 def builtin_base(cfg: Config) -> Path:
-    """Path of the built-in base for `cfg`, warming it up first if it is not cached."""
+    """Path of the built-in base for `cfg`, warming it up first if it is not cached. The random
+    generators are left as they were: the warm-up draws from them, and a caller must sample the
+    same whether the base was built or found in the cache."""
     path = cache_root(cfg) / "bases" / f"{cfg.data.task}-{base_key(cfg)}"
     if (path / "warmup.json").exists():
         return path
     log.info("building the built-in base model (one-time supervised warm-up) in %s", path)
-    policy, report = warm_up(cfg)
+    state = rng_state()
+    try:
+        policy, report = warm_up(cfg)
+    finally:
+        set_rng_state(state)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     policy.model.save_pretrained(tmp)

@@ -53,7 +53,6 @@ from mmrl.train.checkpoint import (
     find_resume_checkpoint,
     load_model_weights,
     load_trainer_state,
-    rng_state,
     save_checkpoint,
     set_rng_state,
     verify_checkpoint,
@@ -169,7 +168,7 @@ def train(cfg: Config) -> TrainResult:
 
     # 3. Policy (LoRA / frozen parts), reference, rollout engine, router, optimizer; then the
     #    checkpoint to resume from, if any (its weights replace the policy's, not the reference's).
-    model_path = Path(cfg.model.path) if cfg.model.path else builtin_base_keeping_rng(cfg)
+    model_path = Path(cfg.model.path) if cfg.model.path else builtin_base(cfg)
     t = compose.make_trainee(cfg, load_policy(model_path), run_dir)
     progress = RunProgress()
     resumed = resume_from(cfg, t, sampler, progress, run_dir)
@@ -245,17 +244,6 @@ def train(cfg: Config) -> TrainResult:
     summary["model_path"] = str(model_path)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return result
-
-
-def builtin_base_keeping_rng(cfg: Config) -> Path:
-    """The built-in base (`builtin_base`), with the random generators left as they were: its
-    warm-up draws from them, so without this a run that builds the base (an empty cache) would
-    sample differently from the same run finding it cached."""
-    state = rng_state()
-    try:
-        return builtin_base(cfg)
-    finally:
-        set_rng_state(state)
 
 
 @dataclass
