@@ -1,14 +1,18 @@
 """Asynchronous reward routing vs scoring after generation, side by side.
 
-    python benchmarks/async_rewards.py [--steps N] [--kind sleep|cpu] [--workers W]
+    python benchmarks/async_rewards.py [--steps N] [--rounds R] [--kind sleep|cpu] [--workers W]
 
 The default recipe's GRPO step on the built-in task, with a verifier made as costly as
 generation (`benchmarks/slow_verifier.py`): the cost per response is set so that scoring a
 step's responses one after another takes about as long as generating them. Three runs from the
 same weights and seed: with a free verifier (generation + update alone), with rewards computed
-after generation (`reward.overlap=false`) and with each response scored the moment it is
-generated (`reward.overlap=true`). The goal: the asynchronous step within 1.15x of generation
-+ update alone.
+after generation (`reward.overlap=false`), with each response scored the moment it is
+generated (`reward.overlap=true`), and asynchronous RL one step ahead (`trainer.mode=async`).
+The goal: the asynchronous (on-policy) step within 1.15x of generation + update alone.
+
+A shared machine drifts over a minute, so the four runs are repeated in `--rounds` rounds (the
+order rotated each round) and each ratio is taken within its round, against that round's
+baseline; the medians over rounds are reported, with every round's ratio.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--kind", choices=["sleep", "cpu"], default="sleep")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="repeats of the four runs (ratios within a round)"
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = parser.parse_args()
     base = [
@@ -82,47 +89,59 @@ def main() -> None:
             out.append(s)
         return out
 
-    free = run(cfg, policy, state, with_cost(0.0), args.steps)
+    # The verifier's cost is set once, from a first run with a free verifier.
+    probe = run(cfg, policy, state, with_cost(0.0), args.steps)
     n_rows = cfg.trainer.prompts_per_step * cfg.rollout.group_size
-    cost_ms = 1000 * free["time/rollout_s"] / n_rows * args.workers  # pool time ~ generation time
+    cost_ms = 1000 * probe["time/rollout_s"] / n_rows * args.workers  # pool time ~ generation time
     costly = with_cost(cost_ms)
-    sync = run(
-        load_config("vision_reasoning", overrides=[*base, "reward.overlap=false"]),
-        policy,
-        state,
-        costly,
-        args.steps,
-    )
-    overlap = run(
-        load_config("vision_reasoning", overrides=[*base, "reward.overlap=true"]),
-        policy,
-        state,
-        costly,
-        args.steps,
-    )
     # Asynchronous RL (trainer.mode=async, one step ahead): generation and scoring of step k+1
     # overlap the update of step k, so the verifier's cost also hides behind the update.
     ahead = [*base, "reward.overlap=true", "trainer.mode=async", "trainer.max_staleness=1", "algo.tis=token"]
-    async_rl = run(load_config("vision_reasoning", overrides=ahead), policy, state, costly, args.steps)
+    modes = {
+        "alone": (cfg, with_cost(0.0)),
+        "rewards after generation": (
+            load_config("vision_reasoning", overrides=[*base, "reward.overlap=false"]),
+            costly,
+        ),
+        "rewards during generation": (
+            load_config("vision_reasoning", overrides=[*base, "reward.overlap=true"]),
+            costly,
+        ),
+        "+ async RL, 1 step ahead": (load_config("vision_reasoning", overrides=ahead), costly),
+    }
+    names = list(modes)
+    rounds: list[dict[str, dict[str, float]]] = []
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        timings = {}
+        for name in order:
+            mode_cfg, mode_samples = modes[name]
+            timings[name] = run(mode_cfg, policy, state, mode_samples, args.steps)
+        rounds.append(timings)
 
-    alone = free["time/step_s"]  # a free verifier: generation + update alone
+    def median(name: str, key: str) -> float:
+        return statistics.median(rnd[name][key] for rnd in rounds)
+
     print(
-        f"async reward routing: {args.steps} steps each, {n_rows} responses per step, {args.workers} verifier workers,"
+        f"async reward routing: {args.rounds} rounds of {args.steps} steps per mode, {n_rows} responses per step, "
+        f"{args.workers} verifier workers,"
     )
     print(
         f"verifier cost {cost_ms:.1f} ms per response ({args.kind}); serial scoring of a step's responses = "
-        f"{cost_ms * n_rows / 1000:.2f} s vs generation {free['time/rollout_s']:.2f} s (medians)"
+        f"{cost_ms * n_rows / 1000:.2f} s vs generation {probe['time/rollout_s']:.2f} s (medians)"
     )
-    print(f"  generation + update alone    {alone:6.3f} s")
-    rows = (
-        ("rewards after generation", sync),
-        ("rewards during generation", overlap),
-        ("+ async RL, 1 step ahead", async_rl),
+    print(
+        f"  generation + update alone    {median('alone', 'time/step_s'):6.3f} s  (medians over rounds; "
+        f"rollout {median('alone', 'time/rollout_s'):.3f}, "
+        f"update {median('alone', 'time/prep_s') + median('alone', 'time/update_s'):.3f})"
     )
-    for name, r in rows:
+    for name in names[1:]:
+        ratios = [rnd[name]["time/step_s"] / rnd["alone"]["time/step_s"] for rnd in rounds]
         print(
-            f"  {name:<28} {r['time/step_s']:6.3f} s  (= {r['time/step_s'] / alone:4.2f}x; rollout {r['time/rollout_s']:.3f}, "
-            f"reward wait {r['time/reward_wait_s']:.3f}, update {r['time/prep_s'] + r['time/update_s']:.3f})"
+            f"  {name:<28} {median(name, 'time/step_s'):6.3f} s  (= {statistics.median(ratios):4.2f}x; rounds "
+            f"{', '.join(f'{x:.2f}' for x in ratios)}; rollout {median(name, 'time/rollout_s'):.3f}, "
+            f"reward wait {median(name, 'time/reward_wait_s'):.3f}, "
+            f"update {median(name, 'time/prep_s') + median(name, 'time/update_s'):.3f})"
         )
 
 

@@ -141,6 +141,13 @@ class RewardConfig:
     overlap: bool = True
     """Score each response as soon as it is generated, overlapping generation (needs workers
     or a remote reward service)."""
+    update_while_scoring: bool = True
+    """With `overlap`: start the update on the first mini-batch once its groups are scored,
+    while later groups are still being scored. Taken when the advantage estimator is
+    group-local (grpo, dr_grpo, rloo), `trainer.mini_batches` > 1, no reward model scores the
+    batch and the update runs in this process; the update is the same as without it. One
+    difference: a non-finite reward found after a mini-batch was already stepped on stops the
+    update there (the step is counted as skipped) instead of skipping the whole step."""
     remote_url: str | None = None
     """Score on a reward server (`mmrl serve`) at this URL instead of local workers; its bearer
     token comes from $MMRL_REWARD_TOKEN. Verifiers only: model rewards stay local."""

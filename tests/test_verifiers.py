@@ -110,6 +110,29 @@ def test_router_kills_a_verifier_stuck_in_c_code_and_keeps_serving():
         assert again.scores.tolist() == [1.0] and not again.errors
 
 
+def test_a_hang_inside_a_chunk_costs_only_its_own_response():
+    """Queued responses go to a worker in chunks; when a chunk's worker is killed (a response
+    stuck in C code), each of its responses is scored again alone: only the stuck one gets the
+    time-out."""
+    samples = [_sample("3") for _ in range(12)]
+    texts = ["\\boxed{3}" if i % 2 else "\\boxed{4}" for i in range(12)]
+    texts[9] = "\\boxed{9^{9^{9^{9}}}}"
+    with Router(num_workers=1, time_limit_s=1.0) as router:
+        router.warm_up()
+        router.score(samples[:4], texts[:4], VerifyContext())  # measures the time per response
+        sent = router.sent_chunks, router.sent_responses
+        batch = router.score(samples, texts, VerifyContext())
+        chunks, responses = router.sent_chunks - sent[0], router.sent_responses - sent[1]
+    assert chunks < 12  # responses shared worker tasks...
+    assert responses > 12  # ...and the stuck one's chunk was sent again one by one
+    assert batch.results[9].error.startswith("timeout")
+    assert batch.errors == {"math/toy": 1} and batch.timeouts == {"math/toy": 1}
+    expected = [float(i % 2) for i in range(12)]
+    expected[9] = 0.0
+    assert batch.scores.tolist() == expected
+    assert all(r.error is None for i, r in enumerate(batch.results) if i != 9)
+
+
 def test_router_in_process_mode_gives_the_same_results_as_workers():
     samples = make_samples(["colour_code", "count"], 8, "train")
     texts = [f"\\boxed{{{s.reward_model.ground_truth if i % 2 else 0}}}" for i, s in enumerate(samples)]

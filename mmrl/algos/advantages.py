@@ -20,6 +20,10 @@ whose rewards are all equal, gives advantage 0 to the rows it would have normali
 | `gdpo` | sum_k w_k grpo(r[:, k]), then batch-normalised as above |
 
 Every std is the unbiased sample std (Bessel), as in TRL and veRL.
+
+The first three are *group-local*: a group's advantages depend on that group's rewards alone, so
+the trainer may update on the first mini-batch's groups while later groups are still being
+scored (`reward.update_while_scoring`). The batch-normalised ones need every reward first.
 """
 
 from __future__ import annotations
@@ -30,11 +34,18 @@ import torch
 
 AdvantageFn = Callable[..., torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+GROUP_LOCAL: set[str] = set()
+"""Estimators whose advantages for a group read only that group's rewards."""
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+def register_advantage(name: str, group_local: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register `fn` under `name`; `group_local` declares that a group's advantages read only
+    its own rows (so they may be computed group by group, as rewards arrive)."""
+
     def wrap(fn: AdvantageFn) -> AdvantageFn:
         ADVANTAGE_ESTIMATORS[name] = fn
+        if group_local:
+            GROUP_LOCAL.add(name)
         return fn
 
     return wrap
@@ -97,7 +108,7 @@ def _standardise(
     return torch.where(mask & ~degenerate, out, torch.zeros_like(out))
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", group_local=True)
 def group_advantages(
     rewards: torch.Tensor, group_size: int, eps: float = 1e-6, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -119,7 +130,7 @@ def group_advantages(
     return _standardise(r.view(-1, group_size), v.view(-1, group_size), eps).view(-1)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", group_local=True)
 def dr_grpo_advantages(
     rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -140,7 +151,7 @@ def dr_grpo_advantages(
     return _standardise(r.view(-1, group_size), v.view(-1, group_size), 0.0, scale=False).view(-1)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", group_local=True)
 def rloo_advantages(
     rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -369,6 +369,7 @@ class RayTrainee(Trainee):
 
     group: RayTrainingGroup | None = None
     cluster: RayCluster | None = None
+    updates_while_scoring = False  # the group's update runs in other processes, in one call
 
     def old_and_ref_logprobs(self, cfg: Config, batch: RolloutBatch):
         return self.group.old_and_ref_logprobs(batch)

@@ -31,7 +31,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -337,13 +337,22 @@ class RemotePendingRewards:
 
         if len(samples) != len(texts) or len(texts) != len(self._texts):
             raise ValueError(f"{len(samples)} samples, {len(texts)} responses, {len(self._texts)} rows")
+        return RewardBatch.gather(samples, self.wait(range(len(texts)), samples, texts))
+
+    def wait(self, rows: Iterable[int], samples: list[Sample], texts: list[str]) -> list[VerifierResult]:
+        """The results of `rows` alone (`samples` and `texts` are the whole batch's): rows still
+        buffered are sent now, stale or missing rows scored now; errors are logged and counted
+        by `result`, not here."""
+        rows = list(rows)
         with self._lock:
-            for row, (sample, text) in enumerate(zip(samples, texts)):
-                if self._texts[row] != text:
-                    self._texts[row] = text
-                    self._buffer.append((row, sample, text))
-            self._flush()
-        return RewardBatch.gather(samples, [future.result()[k] for future, k in self._futures])
+            for row in rows:
+                if self._texts[row] != texts[row]:
+                    self._texts[row] = texts[row]
+                    self._buffer.append((row, samples[row], texts[row]))
+            buffered = {row for row, _, _ in self._buffer}
+            if any(row in buffered for row in rows):
+                self._flush()
+        return [self._futures[row][0].result()[self._futures[row][1]] for row in rows]
 
 
 class RemoteRouter:

@@ -26,15 +26,16 @@ import random
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from mmrl.algos.advantages import clip_advantages, get_advantage_estimator
+from mmrl.algos.advantages import GROUP_LOCAL, clip_advantages, get_advantage_estimator
 from mmrl.algos.dapo import informative_groups, overlong_penalty, truncation_mask
 from mmrl.algos.kl import kl_estimate, kl_penalized_rewards
 from mmrl.algos.tis import tis_weights
@@ -116,11 +117,18 @@ class Trainee:
         old_logprobs: torch.Tensor,
         ref_logprobs: torch.Tensor | None,
         weights: torch.Tensor | None,
+        before_minibatch: Callable[[list[int]], None] | None = None,
     ) -> dict[str, float]:
-        """The mini-batched policy update (step f); returns its `actor/...` metrics."""
+        """The mini-batched policy update (step f); returns its `actor/...` metrics.
+        `before_minibatch`: see `mmrl.train.update.update_policy` (only where
+        `updates_while_scoring`)."""
         return update_policy(
-            cfg, self.policy, self.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights
-        )
+            cfg, self.policy, self.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights,
+            before_minibatch,
+        )  # fmt: skip
+
+    updates_while_scoring = True
+    """Whether `update_policy` takes `before_minibatch` (a remote training group does not)."""
 
     def close(self) -> None:
         """Stop what the trainee started (verifier workers; actors and threads in other modes)."""
@@ -422,77 +430,56 @@ def learn_from_rollouts(
     cfg: Config,
     t: Trainee,
     batch: RolloutBatch,
-    rewards: RewardBatch | Callable[[], tuple[RewardBatch, float]],
+    rewards: RewardBatch | DeferredRewards,
     rollout_metrics: dict[str, float],
     step: int,
     t0: float,
 ) -> dict[str, float]:
     """Steps b-g of `grpo_step` on scored rollouts that began at time `t0` (the asynchronous mode
-    passes rollouts of an older policy here). `rewards` may still be being computed (a function
-    that waits for them and returns them with the seconds waited): the old and reference
-    log-probs need no rewards, so they are computed first, while the last responses are scored."""
+    passes rollouts of an older policy here). `rewards` may still be being computed
+    (`DeferredRewards`): the old and reference log-probs need no rewards, so they are computed
+    first, while the last responses are scored; then, with `reward.update_while_scoring` where
+    it applies (`pipelined_update`), each mini-batch's update starts as soon as its groups are
+    scored."""
     a, G = cfg.algo, cfg.rollout.group_size
     t1 = time.monotonic()
-    early_logprobs = None
-    if callable(rewards):
-        early_logprobs = t.old_and_ref_logprobs(cfg, batch)
-        rewards, waited = rewards()
-        rollout_metrics = {**rollout_metrics, "time/reward_wait_s": waited}
-    valid = torch.tensor([r.error is None for r in rewards.results])
-    dropped = ~valid if cfg.reward.on_error == "drop" else torch.zeros_like(valid)
-    # Numeric guard: a non-finite reward means a broken verifier or reward model; the step is
-    # skipped (no update), counted, and the offending samples named.
-    bad = ~torch.isfinite(rewards.scores)
-    if bad.any():
-        ids = sorted({batch.samples[i].id for i in bad.nonzero().flatten().tolist()})
-        log.warning("step %d: non-finite reward for samples %s: step skipped", step, ids[:20])
-        return {
-            "guard/skipped_step": 1.0,
-            "guard/nonfinite_rewards": float(bad.sum()),
-            "reward/mean": float(rewards.scores[~bad].mean()) if (~bad).any() else float("nan"),
-            "time/step_s": time.monotonic() - t0,
-        }
-    # b. Reward shaping and loss masks.
-    scores = rewards.scores.clone()
-    lengths = batch.response_mask.sum(dim=1)
-    if a.overlong_buffer > 0:
-        scores = scores + overlong_penalty(
-            lengths, cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty
-        )
-    keep = (~dropped).float()
-    if a.mask_truncated:
-        keep = keep * truncation_mask(batch.truncated)
-    batch.response_mask = batch.response_mask * keep.unsqueeze(1).long()
-    # c. Old and reference log-probs (masked like the batch when computed early); the KL may go
-    #    into the reward.
-    if early_logprobs is None:
-        old_logprobs, ref_logprobs = t.old_and_ref_logprobs(cfg, batch)
+    deferred = rewards if isinstance(rewards, DeferredRewards) else None
+    batch.response_mask = batch.response_mask.clone()  # masked row by row below
+    # c. Old and reference log-probs, before any reward is needed (masked rows set to 0 below).
+    old_logprobs, ref_logprobs = t.old_and_ref_logprobs(cfg, batch)
+    inputs = StepInputs.empty(len(batch), old_logprobs, ref_logprobs, tis=tis_applies(cfg))
+    hook = None
+    if deferred is not None and pipelined_update(cfg, t, batch):
+        hook = inputs.filler(cfg, batch, deferred, step)
     else:
-        masked_out = batch.response_mask == 0
-        old_logprobs, ref_logprobs = (
-            None if x is None else x.masked_fill(masked_out, 0.0) for x in early_logprobs
-        )
-    if ref_logprobs is not None and a.kl_in_reward:
-        scores = kl_penalized_rewards(
-            scores, kl_estimate(old_logprobs, ref_logprobs, "k1"), batch.response_mask.float(), a.kl_coef
-        )
-    # d. Advantages within each prompt's group.
-    advantages = compute_advantages(cfg, scores, rewards, ~dropped)
-    # e. Truncated importance sampling against the rollout engine's log-probs.
-    weights, mismatch = None, {}
-    if a.old_logprobs == "recompute":
-        w, mismatch = tis_weights(
-            old_logprobs, batch.rollout_logprobs, batch.response_mask.float(),
-            level="token" if a.tis == "off" else a.tis, cap=a.tis_cap, mode=a.tis_mode,
-        )  # fmt: skip
-        weights = None if a.tis == "off" else w
-        if a.tis == "off":  # the mismatch is still worth watching
-            mismatch = {k: v for k, v in mismatch.items() if k.startswith("rollout/")}
+        if deferred is not None:
+            rewards, waited = deferred()
+            rollout_metrics = {**rollout_metrics, "time/reward_wait_s": waited}
+        # Numeric guard: a non-finite reward means a broken verifier or reward model; the step
+        # is skipped (no update), counted, and the offending samples named.
+        if (skipped := nonfinite_guard(batch, rewards.scores, range(len(batch)), step)) is not None:
+            return {**skipped, "time/step_s": time.monotonic() - t0}
+        inputs.fill(cfg, batch, range(len(batch)), rewards)
     t2 = time.monotonic()
-    # f. Policy update over mini-batches, then the learning-rate schedule.
+    # f. Policy update over mini-batches (with `hook`, each first waits for its groups' rewards
+    #    and steps b-e on them), then the learning-rate schedule.
     placed = t.reward_models.training() if t.reward_models is not None else contextlib.nullcontext()
-    with placed:  # offloadable reward models leave the accelerator while the policy trains
-        metrics = t.update_policy(cfg, batch, advantages, old_logprobs, ref_logprobs, weights)
+    try:
+        with placed:  # offloadable reward models leave the accelerator while the policy trains
+            if hook is None:
+                metrics = t.update_policy(
+                    cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights
+                )
+            else:
+                metrics = t.update_policy(
+                    cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights, hook
+                )
+    except NonFiniteRewards as exc:
+        deferred()  # every row is waited for (and its error logged) before the step ends
+        return {**exc.metrics, "time/step_s": time.monotonic() - t0}
+    if deferred is not None and hook is not None:
+        rewards, waited = deferred()
+        rollout_metrics = {**rollout_metrics, "time/reward_wait_s": waited}
     if t.reward_models is not None:
         metrics.update(t.reward_models.metrics())
     metrics["actor/lr"] = t.scheduler.get_last_lr()[0]
@@ -500,14 +487,16 @@ def learn_from_rollouts(
     t3 = time.monotonic()
     # g. Metrics (and the step dump).
     metrics.update(rollout_metrics)
-    metrics.update(mismatch)
-    metrics.update(step_metrics(batch, rewards, advantages, G))
-    metrics["verifier/dropped"] = float(dropped.sum())
+    metrics.update(inputs.mismatch_metrics(cfg, batch))
+    metrics.update(step_metrics(batch, rewards, inputs.advantages, G))
+    metrics["verifier/dropped"] = float(inputs.dropped.sum())
     metrics["guard/skipped_step"] = 0.0
     if a.overlong_buffer > 0 or a.kl_in_reward:
-        metrics["reward/shaped_mean"] = float(scores.mean())
+        metrics["reward/shaped_mean"] = float(inputs.scores.mean())
     if cfg.trainer.dump_steps and t.run_dir is not None:
-        write_step_dump(t.run_dir, step, batch, rewards, scores, advantages, old_logprobs, ref_logprobs)
+        write_step_dump(
+            t.run_dir, step, batch, rewards, inputs.scores, inputs.advantages, inputs.old, inputs.ref
+        )
     generated = float(batch.response_mask.sum())
     metrics.update(
         {
@@ -522,12 +511,191 @@ def learn_from_rollouts(
     return metrics
 
 
+class NonFiniteRewards(Exception):
+    """Raised from the update's `before_minibatch` hook: a non-finite reward arrived."""
+
+    def __init__(self, metrics: dict[str, float]):
+        super().__init__("non-finite rewards")
+        self.metrics = metrics
+
+
+def nonfinite_guard(
+    batch: RolloutBatch, scores: torch.Tensor, rows: Iterable[int], step: int
+) -> dict[str, float] | None:
+    """The skipped step's metrics if any of `scores` (the rewards of `rows`) is not finite
+    (the offending samples are named in the log), else None."""
+    rows = list(rows)
+    bad = ~torch.isfinite(scores)
+    if not bad.any():
+        return None
+    ids = sorted({batch.samples[rows[i]].id for i in bad.nonzero().flatten().tolist()})
+    log.warning("step %d: non-finite reward for samples %s: step skipped", step, ids[:20])
+    return {
+        "guard/skipped_step": 1.0,
+        "guard/nonfinite_rewards": float(bad.sum()),
+        "reward/mean": float(scores[~bad].mean()) if (~bad).any() else float("nan"),
+    }
+
+
+def tis_applies(cfg: Config) -> bool:
+    """Whether the loss is weighted by truncated importance-sampling weights."""
+    return cfg.algo.old_logprobs == "recompute" and cfg.algo.tis != "off"
+
+
+def pipelined_update(cfg: Config, t: Trainee, batch: RolloutBatch) -> bool:
+    """Whether this step's update may start on scored groups while others are still being
+    scored (`reward.update_while_scoring`): the advantages must be group-local, there must be
+    more than one mini-batch, no reward model may score the batch (it scores the whole batch at
+    once) and the update must run here."""
+    return (
+        cfg.reward.update_while_scoring
+        and cfg.algo.advantage in GROUP_LOCAL
+        and cfg.trainer.mini_batches > 1
+        and t.updates_while_scoring
+        and (t.reward_models is None or not any(s.reward_model.models for s in batch.samples))
+    )
+
+
+@dataclass
+class StepInputs:
+    """Steps b-e of a GRPO step, row by row: shaped rewards, dropped rows, advantages, the
+    masked old/reference log-probs and TIS weights, all [N] or [N, R]. Filled for the whole
+    batch at once, or group by group as rewards arrive (`filler`); either way each row's
+    values depend only on its own group, so the two ways give the same tensors."""
+
+    scores: torch.Tensor
+    dropped: torch.Tensor
+    advantages: torch.Tensor
+    old: torch.Tensor
+    ref: torch.Tensor | None
+    weights: torch.Tensor | None
+
+    @classmethod
+    def empty(cls, n: int, old: torch.Tensor, ref: torch.Tensor | None, tis: bool) -> StepInputs:
+        return cls(
+            scores=torch.zeros(n),
+            dropped=torch.zeros(n, dtype=torch.bool),
+            advantages=torch.zeros(n),
+            old=old.clone(),
+            ref=None if ref is None else ref.clone(),
+            weights=torch.zeros_like(old, dtype=torch.float32) if tis else None,
+        )
+
+    def fill(self, cfg: Config, batch: RolloutBatch, rows: Iterable[int], rewards: RewardBatch) -> None:
+        """Steps b-e for `rows` (whole groups), whose rewards are `rewards` (in `rows` order);
+        also masks those rows of `batch.response_mask` (dropped and truncated rows)."""
+        a = cfg.algo
+        rows = list(rows)
+        # b. Reward shaping and loss masks.
+        valid = torch.tensor([r.error is None for r in rewards.results], dtype=torch.bool)
+        dropped = ~valid if cfg.reward.on_error == "drop" else torch.zeros_like(valid)
+        scores = rewards.scores.clone()
+        lengths = batch.response_mask[rows].sum(dim=1)
+        if a.overlong_buffer > 0:
+            scores = scores + overlong_penalty(
+                lengths, cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty
+            )
+        keep = (~dropped).float()
+        if a.mask_truncated:
+            keep = keep * truncation_mask(batch.truncated[rows])
+        mask = batch.response_mask[rows] * keep.unsqueeze(1).long()
+        batch.response_mask[rows] = mask
+        # c. The log-probs computed before the rewards, masked like the batch; the KL may go
+        #    into the reward.
+        masked_out = mask == 0
+        self.old[rows] = self.old[rows].masked_fill(masked_out, 0.0)
+        if self.ref is not None:
+            self.ref[rows] = self.ref[rows].masked_fill(masked_out, 0.0)
+            if a.kl_in_reward:
+                kl = kl_estimate(self.old[rows], self.ref[rows], "k1")
+                scores = kl_penalized_rewards(scores, kl, mask.float(), a.kl_coef)
+        # d. Advantages within each prompt's group.
+        self.advantages[rows] = compute_advantages(cfg, scores, rewards, ~dropped)
+        self.scores[rows] = scores
+        self.dropped[rows] = dropped
+        # e. Truncated importance sampling against the rollout engine's log-probs.
+        if self.weights is not None:
+            self.weights[rows], _ = tis_weights(
+                self.old[rows], batch.rollout_logprobs[rows], mask.float(),
+                level=a.tis, cap=a.tis_cap, mode=a.tis_mode,
+            )  # fmt: skip
+
+    def filler(
+        self, cfg: Config, batch: RolloutBatch, deferred: DeferredRewards, step: int
+    ) -> Callable[[list[int]], None]:
+        """The update's `before_minibatch` hook: waits for the rewards of the groups a mini-batch
+        touches that are not filled yet and fills them (raises `NonFiniteRewards` instead of
+        filling if one is not finite)."""
+        G = cfg.rollout.group_size
+        filled = [False] * (len(batch) // G)
+
+        def before_minibatch(mb_rows: list[int]) -> None:
+            groups = sorted({r // G for r in mb_rows if not filled[r // G]})
+            if not groups:
+                return
+            rows = [g * G + j for g in groups for j in range(G)]
+            rewards = deferred.rows(rows)
+            if (skipped := nonfinite_guard(batch, rewards.scores, rows, step)) is not None:
+                raise NonFiniteRewards(skipped)
+            self.fill(cfg, batch, rows, rewards)
+            for g in groups:
+                filled[g] = True
+
+        return before_minibatch
+
+    def mismatch_metrics(self, cfg: Config, batch: RolloutBatch) -> dict[str, float]:
+        """Rollout-vs-trainer mismatch (`tis/...`, `rollout/kl_...`) over the whole batch; the
+        `rollout/` part alone when TIS is off (still worth watching)."""
+        a = cfg.algo
+        if a.old_logprobs != "recompute":
+            return {}
+        _, metrics = tis_weights(
+            self.old, batch.rollout_logprobs, batch.response_mask.float(),
+            level="token" if a.tis == "off" else a.tis, cap=a.tis_cap, mode=a.tis_mode,
+        )  # fmt: skip
+        if a.tis == "off":
+            metrics = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
+        return metrics
+
+
+class DeferredRewards:
+    """A batch's rewards while its last responses are still being scored: `rows(rows)` waits
+    for some rows only; calling it waits for all and returns them with the seconds spent
+    waiting in all (errors logged and counted then, once per step)."""
+
+    def __init__(self, pending: Any, batch: RolloutBatch, reward_models: RewardPlacement | None):
+        self.pending = pending
+        self.batch = batch
+        self.reward_models = reward_models
+        self.waited = 0.0
+        self._all: RewardBatch | None = None
+
+    def rows(self, rows: list[int]) -> RewardBatch:
+        """The verifier results of `rows` (model rewards are not added: callers check that no
+        sample names one)."""
+        start = time.monotonic()
+        samples, texts = self.batch.samples, self.batch.texts
+        results = self.pending.wait(rows, samples, texts)
+        self.waited += time.monotonic() - start
+        return RewardBatch.of(results, [samples[r] for r in rows])
+
+    def __call__(self) -> tuple[RewardBatch, float]:
+        if self._all is None:
+            start = time.monotonic()
+            rewards = self.pending.result(self.batch.samples, self.batch.texts)
+            if self.reward_models is not None:
+                add_model_rewards(self.reward_models, self.batch, rewards)
+            self.waited += time.monotonic() - start
+            self._all = rewards
+        return self._all, self.waited
+
+
 def generate_and_score(
     cfg: Config, t: Trainee, samples: list, context: VerifyContext, defer: bool = False
-) -> tuple[RolloutBatch, RewardBatch | Callable[[], tuple[RewardBatch, float]], float]:
+) -> tuple[RolloutBatch, RewardBatch | DeferredRewards, float]:
     """G responses per sample, each handed to the router the moment it is finished. With
-    `defer`, the rewards are returned as a function that waits for them (with the seconds
-    waited), so that other work can go on while the last responses are scored."""
+    `defer`, the rewards are returned still being computed (`DeferredRewards`), so that other
+    work can go on while the last responses are scored."""
     G = cfg.rollout.group_size
     params = SamplingParams(
         n=G, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens
@@ -536,17 +704,10 @@ def generate_and_score(
     pending = t.router.start(context, len(rows))
     on_response = (lambda r, text: pending.add(r, rows[r], text)) if overlap_rewards(cfg) else None
     batch = t.engine.generate(samples, params, on_response=on_response)
-
-    def finish() -> tuple[RewardBatch, float]:
-        waited = time.monotonic()
-        rewards = pending.result(batch.samples, batch.texts)
-        if t.reward_models is not None:
-            add_model_rewards(t.reward_models, batch, rewards)
-        return rewards, time.monotonic() - waited
-
+    deferred = DeferredRewards(pending, batch, t.reward_models)
     if defer:
-        return batch, finish, 0.0
-    rewards, waited = finish()
+        return batch, deferred, 0.0
+    rewards, waited = deferred()
     return batch, rewards, waited
 
 
@@ -566,7 +727,7 @@ def add_model_rewards(placement: RewardPlacement, batch: RolloutBatch, rewards: 
 
 def rollout_and_score(
     cfg: Config, t: Trainee, sampler: PromptSampler, context: VerifyContext, defer: bool = False
-) -> tuple[RolloutBatch, RewardBatch | Callable[[], tuple[RewardBatch, float]], dict[str, float]]:
+) -> tuple[RolloutBatch, RewardBatch | DeferredRewards, dict[str, float]]:
     """B groups of G scored responses. With DAPO dynamic sampling, groups whose rewards are all
     equal (no learning signal) are dropped and more prompts are drawn, at most
     `algo.max_resample_batches` extra rounds; a step may end with fewer groups. `defer` (taken

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -76,10 +77,14 @@ def update_policy(
     old_logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
     tis_weights: torch.Tensor | None = None,
+    before_minibatch: Callable[[list[int]], None] | None = None,
 ) -> dict[str, float]:
     """`ppo_epochs` passes of `mini_batches` optimizer steps over the rollout batch.
 
     Shapes: advantages [N]; old/ref log-probs and TIS weights [N, R] (R = response width).
+    `before_minibatch(rows)`, if given, is called before each mini-batch of the first epoch
+    reads its rows of the batch's mask, the advantages, log-probs and weights: it may fill
+    those rows in place (the trainer does, as their rewards arrive).
     """
     model, a = policy.model, cfg.algo
     policy_loss = get_policy_loss(a.policy_loss)
@@ -97,6 +102,8 @@ def update_policy(
         order = list(range(n)) if epoch == 0 else torch.randperm(n).tolist()
         for start in range(0, n, mb_size):
             mb_rows = order[start : start + mb_size]
+            if epoch == 0 and before_minibatch is not None:
+                before_minibatch(mb_rows)
             mb_mask = batch.response_mask[mb_rows].float()
             denom = loss_denominator(
                 mb_mask, a.loss_agg, max_len

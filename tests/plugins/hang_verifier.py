@@ -30,3 +30,14 @@ class NaNOnMarked(MathVerifier):
         if sample.extra_info.get("nan"):
             result.score = float("nan")
         return result
+
+
+@register_verifier("error_on_marked")
+class ErrorOnMarked(MathVerifier):
+    """The math verifier, except that it raises on samples with `extra_info["error"]` (a verifier
+    error: the row scores 0 with the error recorded, or is dropped with `reward.on_error=drop`)."""
+
+    def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
+        if sample.extra_info.get("error"):
+            raise ValueError("marked to fail")
+        return super().score(response, sample, context)
