@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from mmrl.eval.builtin import BUILTIN_TASKS, write_builtin_suite
-from mmrl.eval.suite import SuiteError, load_suite
+from mmrl.eval.suite import SuiteError, import_hf_datasets, load_suite
 
 
 def _image(path: Path) -> str:
@@ -111,7 +111,10 @@ def test_hugging_face_rows_in_parquet_are_grouped_by_task(suite_dir):
 
 
 def test_a_datasets_export_is_read_when_the_library_is_installed(suite_dir):
-    datasets = pytest.importorskip("datasets")
+    try:
+        datasets = import_hf_datasets()  # from the repository root, ./datasets/ would shadow it
+    except ImportError:
+        pytest.skip("the Hugging Face datasets library is not installed")
     rows = {
         "task_name": ["colours"],
         "query_text": ["<image>Q?"],
@@ -125,19 +128,12 @@ def test_a_datasets_export_is_read_when_the_library_is_installed(suite_dir):
 
 
 def test_a_datasets_export_without_the_library_fails_clearly(suite_dir, monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_datasets(name, *args, **kwargs):
-        if name == "datasets":
-            raise ImportError("no datasets here")
-        return real_import(name, *args, **kwargs)
+    import sys
 
     export = suite_dir / "export"
     export.mkdir()
     (export / "state.json").write_text("{}")
-    monkeypatch.setattr(builtins, "__import__", no_datasets)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
     with pytest.raises(SuiteError, match="install `datasets`"):
         load_suite(export)
 

@@ -320,9 +320,34 @@ def _tasks_from_records(records: list[tuple[str, Any]], path: Path, media_root) 
     return tasks
 
 
+def import_hf_datasets() -> Any:
+    """The Hugging Face `datasets` library, even where this repository's own top-level
+    `datasets/` folder (the source of `mmrl.datasets`) shadows it: Python puts the current
+    directory first on `sys.path` for `python -m ...` and `python -c`, so from the repository
+    root `import datasets` finds the folder. Raises ImportError if the library is missing."""
+    import importlib
+    import sys
+
+    module = importlib.import_module("datasets")
+    if hasattr(module, "load_from_disk"):
+        return module
+    shadow = Path(module.__file__).resolve().parent.parent
+    for name in [n for n in sys.modules if n == "datasets" or n.startswith("datasets.")]:
+        del sys.modules[name]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != shadow]
+    try:
+        module = importlib.import_module("datasets")
+    finally:
+        sys.path[:] = saved
+    if not hasattr(module, "load_from_disk"):
+        raise ImportError(f"`import datasets` finds {module.__file__}, not the Hugging Face library")
+    return module
+
+
 def _read_hf_export(path: Path) -> list[tuple[str, dict]]:
     try:
-        import datasets
+        datasets = import_hf_datasets()
     except ImportError:
         raise SuiteError(
             str(path),
