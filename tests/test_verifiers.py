@@ -92,6 +92,33 @@ def test_in_process_timer_interrupts_slow_python_code():
     assert result.score == 0.0 and result.error.startswith("timeout")
 
 
+def test_a_kept_alarm_handler_still_interrupts_and_is_restored_after():
+    """`keep_alarm_handler` (verifier workers) leaves the handler installed between calls; the
+    limit still holds for every call, a call that ends in time leaves no timer armed, and the
+    previous handler is back afterwards."""
+    import signal
+
+    from mmrl.verifiers.registry import keep_alarm_handler
+
+    verifier = get_verifier("math")
+    before = signal.getsignal(signal.SIGALRM)
+
+    def slow_score(*args):
+        time.sleep(10)
+
+    original = type(verifier).score
+    with keep_alarm_handler():
+        assert verifier("\\boxed{1}", _sample("1"), time_limit_s=0.3).score == 1.0
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        type(verifier).score = slow_score
+        try:
+            results = [verifier("\\boxed{1}", _sample("1"), time_limit_s=0.2) for _ in range(2)]
+        finally:
+            type(verifier).score = original
+    assert all(r.score == 0.0 and r.error.startswith("timeout") for r in results)
+    assert signal.getsignal(signal.SIGALRM) is before
+
+
 def test_router_kills_a_verifier_stuck_in_c_code_and_keeps_serving():
     """SymPy evaluating 9^(9^(9^9)) sits in C integer code where no signal handler runs:
     only killing the worker process bounds it."""

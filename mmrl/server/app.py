@@ -50,7 +50,7 @@ from mmrl.server import protocol
 from mmrl.server.config import ServeConfig, load_serve_config
 from mmrl.server.protocol import RequestError, WireItem, WireResult
 from mmrl.types import VerifyContext
-from mmrl.verifiers.registry import VerifierTimeout, call_with_time_limit, get_verifier
+from mmrl.verifiers.registry import VerifierTimeout, call_with_time_limit, get_verifier, keep_alarm_handler
 
 log = logging.getLogger("mmrl.server")
 
@@ -86,41 +86,57 @@ def _worker_main(
     warm_up_verifiers()
     outbox.send_bytes(pickle.dumps(("ready", os.getpid())))
     checked: OrderedDict = OrderedDict()
-    while True:
-        try:
-            data = inbox.recv_bytes()
-        except (EOFError, OSError):
-            return
-        seq, items = pickle.loads(data)
-        out = []
-        for k, item in enumerate(items):
-            progress[0] = seq
-            progress[1] = k
-            progress[2] = time.monotonic()
-            out.append(_score_item(item, checked, cache_size, time_limit_s))
-        progress[2] = 0.0
-        outbox.send_bytes(pickle.dumps((seq, out), protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _score_item(item: WireItem, checked: OrderedDict, cache_size: int, time_limit_s: float) -> WireResult:
-    """Score one item: the verifier's `check_sample` (remembered per ground truth and params),
-    then the verifier under the time limit; any exception is the item's error result."""
-    try:
-        sample = protocol.item_sample(item)
-        verifier = get_verifier(sample.reward_model.verifier)
-        key = (item[0], repr(item[1]), repr(item[2]))
-        problem = checked.get(key, False)
-        if problem is False:
+    with keep_alarm_handler():  # this process only scores: each limited call just arms a timer
+        while True:
             try:
-                call_with_time_limit(lambda: verifier.check_sample(sample), time_limit_s)
-                problem = None
-            except VerifierTimeout:
-                return (0.0, {}, f"timeout: checking the sample ran past {time_limit_s:g}s", None, None)
-            except ValueError as exc:
-                problem = (getattr(exc, "field", "reward_model.ground_truth"), str(exc))
-            checked[key] = problem
-            if len(checked) > cache_size:
-                checked.popitem(last=False)
+                data = inbox.recv_bytes()
+            except (EOFError, OSError):
+                return
+            seq, items = pickle.loads(data)
+            out = []
+            samples: dict = {}
+            for k, item in enumerate(items):
+                progress[0] = seq
+                progress[1] = k
+                progress[2] = time.monotonic()
+                out.append(_score_item(item, checked, cache_size, time_limit_s, samples))
+            progress[2] = 0.0
+            outbox.send_bytes(pickle.dumps((seq, out), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _score_item(
+    item: WireItem, checked: OrderedDict, cache_size: int, time_limit_s: float, samples: dict | None = None
+) -> WireResult:
+    """Score one item: the verifier's `check_sample` (remembered per ground truth and params),
+    then the verifier under the time limit; any exception is the item's error result.
+
+    `samples` (one chunk's): the responses of one sample share its record's objects (pickle keeps
+    that sharing within a chunk), so its `Sample` is built, and checked, once per chunk."""
+    try:
+        # Keyed by the identity of the shared objects: every item of the chunk is alive, so
+        # no two distinct records can have the same key.
+        local = (id(item[1]), id(item[2]), id(item[7]), item[0], *item[3:7])
+        known = samples.get(local) if samples is not None else None
+        if known is not None:
+            sample, verifier, problem = known
+        else:
+            sample = protocol.item_sample(item)
+            verifier = get_verifier(sample.reward_model.verifier)
+            key = (item[0], repr(item[1]), repr(item[2]))
+            problem = checked.get(key, False)
+            if problem is False:
+                try:
+                    call_with_time_limit(lambda: verifier.check_sample(sample), time_limit_s)
+                    problem = None
+                except VerifierTimeout:
+                    return (0.0, {}, f"timeout: checking the sample ran past {time_limit_s:g}s", None, None)
+                except ValueError as exc:
+                    problem = (getattr(exc, "field", "reward_model.ground_truth"), str(exc))
+                checked[key] = problem
+                if len(checked) > cache_size:
+                    checked.popitem(last=False)
+            if samples is not None:
+                samples[local] = (sample, verifier, problem)
         if problem is not None:
             field, message = problem
             return (0.0, {}, f"invalid sample: field '{field}': {message}", None, problem)
