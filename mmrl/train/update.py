@@ -84,7 +84,8 @@ def update_policy(
     Shapes: advantages [N]; old/ref log-probs and TIS weights [N, R] (R = response width).
     `before_minibatch(rows)`, if given, is called before each mini-batch of the first epoch
     reads its rows of the batch's mask, the advantages, log-probs and weights: it may fill
-    those rows in place (the trainer does, as their rewards arrive).
+    those rows in place (the trainer does, as their rewards arrive). The mini-batch's first
+    forward runs before the call, so it overlaps the wait.
     """
     model, a = policy.model, cfg.algo
     policy_loss = get_policy_loss(a.policy_loss)
@@ -97,12 +98,24 @@ def update_policy(
     grad_norms: list[float] = []
     skipped = 0
     params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def forward(sub: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logprobs, entropy = response_logprobs(
+            model, sub, policy.blocked, cfg.rollout.temperature,
+            with_entropy=True, entropy_grad=a.entropy_coef > 0,
+        )  # fmt: skip
+        return logprobs, entropy
+
     for epoch in range(cfg.trainer.ppo_epochs):
         # The first pass keeps row order so its first mini-batch matches the old log-prob pass.
         order = list(range(n)) if epoch == 0 else torch.randperm(n).tolist()
         for start in range(0, n, mb_size):
             mb_rows = order[start : start + mb_size]
+            early = None
             if epoch == 0 and before_minibatch is not None:
+                # The first micro-batch's forward needs no rewards: it runs before waiting for
+                # them (and is masked below like the rest, once dropped rows are known).
+                early = forward(select_rows(batch, mb_rows[:micro]))
                 before_minibatch(mb_rows)
             mb_mask = batch.response_mask[mb_rows].float()
             denom = loss_denominator(
@@ -115,14 +128,10 @@ def update_policy(
                 rows = mb_rows[i : i + micro]
                 sub = select_rows(batch, rows)
                 mask = sub.response_mask.float()  # [n, R]
-                logprobs, entropy = response_logprobs(
-                    model,
-                    sub,
-                    policy.blocked,
-                    cfg.rollout.temperature,
-                    with_entropy=True,
-                    entropy_grad=a.entropy_coef > 0,
-                )
+                if i == 0 and early is not None:
+                    logprobs, entropy = (x.masked_fill(mask == 0, 0.0) for x in early)
+                else:
+                    logprobs, entropy = forward(sub)
                 pg_loss, pg_metrics = policy_loss(
                     logprobs, old_logprobs[rows], advantages[rows], mask,
                     clip_low=a.clip_low, clip_high=a.clip_high, clip_dual=a.clip_dual or None,
