@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmrl.types import Sample, VerifierResult, VerifyContext
-from mmrl.verifiers.registry import get_verifier, warm_up_verifiers
+from mmrl.verifiers.registry import get_verifier, keep_alarm_handler, warm_up_verifiers
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ def _score_chunk(
     """Runs in a worker process: several responses, each under its own time limit; returns
     their results and the seconds the chunk took."""
     start = time.perf_counter()
-    results = [_score_one(sample, text, context, time_limit_s) for sample, text, context in items]
+    with keep_alarm_handler():  # one handler for the chunk; each response just arms the timer
+        results = [_score_one(sample, text, context, time_limit_s) for sample, text, context in items]
     return results, time.perf_counter() - start
 
 
@@ -221,7 +222,8 @@ class Router:
         self._pool = None
         self._lock = threading.RLock()  # a chunk may end (and its callback run) while it is sent
         self._queue: deque[_Item] = deque()
-        self._in_flight = 0
+        self._out: dict[int, list[_Item]] = {}
+        """The chunks at the workers, by task id."""
         self._row_s = 0.0
         """Running mean of a response's scoring time in the workers (sizes the chunks)."""
         self._holding = 0
@@ -289,13 +291,12 @@ class Router:
     def _dispatch(self) -> None:
         """Send queued responses while fewer than two chunks per worker are out (so a worker
         never waits for the next one). Called with the lock held."""
-        while self._queue and self._in_flight < 2 * self.num_workers:
+        while self._queue and len(self._out) < 2 * self.num_workers:
             limit = self._chunk_size()
             chunk = [self._queue.popleft()]
             if not chunk[0].alone:
                 while self._queue and len(chunk) < limit and not self._queue[0].alone:
                     chunk.append(self._queue.popleft())
-            self._in_flight += 1
             self.sent_chunks += 1
             self.sent_responses += len(chunk)
             task = self._pool.schedule(
@@ -303,25 +304,29 @@ class Router:
                 args=([(i.sample, i.text, i.context) for i in chunk], self.time_limit_s),
                 timeout=self.time_limit_s + KILL_GRACE_S,
             )
+            self._out[id(task)] = chunk
             task.add_done_callback(functools.partial(self._chunk_done, chunk))
 
     def _chunk_done(self, chunk: list[_Item], task: Future) -> None:
         """Runs on the pool's thread when a chunk ends: hand out its results, or score each of
         a failed chunk's responses again alone; then send more."""
+        failed = None
         try:
             results, seconds = task.result()
         except BaseException as exc:  # noqa: BLE001 - killed, dead worker, unpicklable result
-            results, seconds = None, 0.0
-            if len(chunk) == 1:
-                chunk[0].future.set_result(_failure(exc, self.time_limit_s))
+            results, seconds, failed = None, 0.0, _failure(exc, self.time_limit_s)
         with self._lock:
-            self._in_flight -= 1
+            if self._out.pop(id(task), None) is None:
+                return  # the router was closed and gave these responses their results
             if results is not None:
                 for item, result in zip(chunk, results):
                     item.future.set_result(result)
                 per_row = seconds / len(chunk)
                 self._row_s = per_row if self._row_s == 0 else 0.8 * self._row_s + 0.2 * per_row
-            elif len(chunk) > 1:
+            elif len(chunk) == 1 or self._pool is None:  # alone already, or nothing will retry
+                for item in chunk:
+                    item.future.set_result(failed)
+            else:
                 for item in reversed(chunk):
                     item.alone = True
                     self._queue.appendleft(item)
@@ -338,8 +343,15 @@ class Router:
         return time.monotonic() - start
 
     def close(self) -> None:
+        """Stop the workers; responses not scored yet get an error result (nobody waits forever)."""
         if self._pool is not None:
-            pool, self._pool = self._pool, None
+            with self._lock:
+                pool, self._pool = self._pool, None
+                unscored = list(self._queue) + [item for chunk in self._out.values() for item in chunk]
+                self._queue, self._out = deque(), {}
+            closed = VerifierResult(score=0.0, error="RouterClosed: the router was closed before scoring it")
+            for item in unscored:
+                item.future.set_result(closed)
             pool.stop()
             pool.join()
 

@@ -160,6 +160,21 @@ def test_a_hang_inside_a_chunk_costs_only_its_own_response():
     assert all(r.error is None for i, r in enumerate(batch.results) if i != 9)
 
 
+def test_closing_the_router_gives_every_unscored_response_an_error_result():
+    """Responses still queued or in a worker when the router closes get an error result, so a
+    thread waiting for them is not left waiting forever."""
+    samples = [_sample("3") for _ in range(12)]
+    texts = ["\\boxed{9^{9^{9^{9}}}}"] + ["\\boxed{3}"] * 11  # the first keeps its worker busy
+    router = Router(num_workers=1, time_limit_s=30.0)
+    router.warm_up()
+    router.score(samples[:4], texts[1:5], VerifyContext())  # measures the time per response
+    pending = router.submit(samples, texts, VerifyContext())
+    router.close()
+    results = pending.wait(range(12), samples, texts)
+    assert results[0].error.startswith("RouterClosed") and results[0].score == 0.0
+    assert all(r.error.startswith("RouterClosed") if r.error else r.score == 1.0 for r in results)
+
+
 def test_router_in_process_mode_gives_the_same_results_as_workers():
     samples = make_samples(["colour_code", "count"], 8, "train")
     texts = [f"\\boxed{{{s.reward_model.ground_truth if i % 2 else 0}}}" for i, s in enumerate(samples)]

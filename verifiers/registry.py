@@ -119,9 +119,13 @@ _alarm_kept = False
 def keep_alarm_handler() -> Iterator[None]:
     """Keep the time limit's SIGALRM handler installed for a block of many limited calls, so
     each call only arms and disarms the timer (installing and restoring the handler costs
-    several microseconds a call). For processes that do nothing else, like a verifier worker;
-    main thread only."""
+    several microseconds a call). For processes that do nothing else, like a verifier worker.
+    Nested, the outer block's handler stays; outside the main thread it does nothing (no limit
+    applies there)."""
     global _alarm_kept
+    if threading.current_thread() is not threading.main_thread() or _alarm_kept:
+        yield
+        return
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     _alarm_kept = True
     try:

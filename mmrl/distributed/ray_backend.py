@@ -374,8 +374,12 @@ class RayTrainee(Trainee):
     def old_and_ref_logprobs(self, cfg: Config, batch: RolloutBatch):
         return self.group.old_and_ref_logprobs(batch)
 
-    def update_policy(self, cfg, batch, advantages, old_logprobs, ref_logprobs, weights) -> dict[str, float]:
+    def update_policy(
+        self, cfg, batch, advantages, old_logprobs, ref_logprobs, weights, before_minibatch=None
+    ) -> dict[str, float]:
         """The group's update, then the new weights to every rollout worker and the driver."""
+        if before_minibatch is not None:  # `updates_while_scoring` is False: never passed one
+            raise ValueError("the Ray training group updates the whole batch in one call")
         metrics = self.group.update(batch, advantages, old_logprobs, ref_logprobs, weights)
         state = self.group.full_state_dict()
         self.engine.load_weights(state)

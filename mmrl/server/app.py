@@ -105,7 +105,7 @@ def _worker_main(
 
 
 def _score_item(
-    item: WireItem, checked: OrderedDict, cache_size: int, time_limit_s: float, samples: dict | None = None
+    item: WireItem, checked: OrderedDict, cache_size: int, time_limit_s: float, samples: dict
 ) -> WireResult:
     """Score one item: the verifier's `check_sample` (remembered per ground truth and params),
     then the verifier under the time limit; any exception is the item's error result.
@@ -116,7 +116,7 @@ def _score_item(
         # Keyed by the identity of the shared objects: every item of the chunk is alive, so
         # no two distinct records can have the same key.
         local = (id(item[1]), id(item[2]), id(item[7]), item[0], *item[3:7])
-        known = samples.get(local) if samples is not None else None
+        known = samples.get(local)
         if known is not None:
             sample, verifier, problem = known
         else:
@@ -135,8 +135,7 @@ def _score_item(
                 checked[key] = problem
                 if len(checked) > cache_size:
                     checked.popitem(last=False)
-            if samples is not None:
-                samples[local] = (sample, verifier, problem)
+            samples[local] = (sample, verifier, problem)
         if problem is not None:
             field, message = problem
             return (0.0, {}, f"invalid sample: field '{field}': {message}", None, problem)

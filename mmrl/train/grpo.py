@@ -453,8 +453,7 @@ def learn_from_rollouts(
         hook = inputs.filler(cfg, batch, deferred, step)
     else:
         if deferred is not None:
-            rewards, waited = deferred()
-            rollout_metrics = {**rollout_metrics, "time/reward_wait_s": waited}
+            rewards, _ = deferred()
         # Numeric guard: a non-finite reward means a broken verifier or reward model; the step
         # is skipped (no update), counted, and the offending samples named.
         if (skipped := nonfinite_guard(batch, rewards.scores, range(len(batch)), step)) is not None:
@@ -466,18 +465,13 @@ def learn_from_rollouts(
     placed = t.reward_models.training() if t.reward_models is not None else contextlib.nullcontext()
     try:
         with placed:  # offloadable reward models leave the accelerator while the policy trains
-            if hook is None:
-                metrics = t.update_policy(
-                    cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights
-                )
-            else:
-                metrics = t.update_policy(
-                    cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights, hook
-                )
+            metrics = t.update_policy(
+                cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights, hook
+            )
     except NonFiniteRewards as exc:
         deferred()  # every row is waited for (and its error logged) before the step ends
         return {**exc.metrics, "time/step_s": time.monotonic() - t0}
-    if deferred is not None and hook is not None:
+    if deferred is not None:  # every reward is in by now; the time waited for them in all
         rewards, waited = deferred()
         rollout_metrics = {**rollout_metrics, "time/reward_wait_s": waited}
     if t.reward_models is not None:
@@ -731,8 +725,8 @@ def rollout_and_score(
     """B groups of G scored responses. With DAPO dynamic sampling, groups whose rewards are all
     equal (no learning signal) are dropped and more prompts are drawn, at most
     `algo.max_resample_batches` extra rounds; a step may end with fewer groups. `defer` (taken
-    when scores overlap generation and DAPO does not need them here): the rewards come back as
-    a function that waits for them (see `generate_and_score`)."""
+    when scores overlap generation and DAPO does not need them here): the rewards come back
+    still being computed, as `DeferredRewards`."""
     B, G = cfg.trainer.prompts_per_step, cfg.rollout.group_size
     defer = defer and overlap_rewards(cfg) and not cfg.algo.dynamic_sampling
     batch, rewards, waited = generate_and_score(cfg, t, sampler.next(B), context, defer=defer)
