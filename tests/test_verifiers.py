@@ -93,29 +93,40 @@ def test_in_process_timer_interrupts_slow_python_code():
 
 
 def test_a_kept_alarm_handler_still_interrupts_and_is_restored_after():
-    """`keep_alarm_handler` (verifier workers) leaves the handler installed between calls; the
-    limit still holds for every call, a call that ends in time leaves no timer armed, and the
-    previous handler is back afterwards."""
+    """`keep_alarm_handler` (verifier workers) leaves the handler installed and the timer
+    running between calls; the limit still holds for every call (the timer, armed by an
+    earlier call, is re-armed for the running call's own deadline), the timer firing between
+    calls interrupts nothing, and afterwards the timer is off and the previous handler back."""
     import signal
 
     from mmrl.verifiers.registry import keep_alarm_handler
 
     verifier = get_verifier("math")
     before = signal.getsignal(signal.SIGALRM)
+    calls = []
 
-    def slow_score(*args):
-        time.sleep(10)
+    def slow_score(self, response, sample, context):
+        calls.append(time.monotonic())
+        time.sleep(float(response))
+        return original(self, "\\boxed{1}", sample, context)
 
     original = type(verifier).score
-    with keep_alarm_handler():
-        assert verifier("\\boxed{1}", _sample("1"), time_limit_s=0.3).score == 1.0
-        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
-        type(verifier).score = slow_score
-        try:
-            results = [verifier("\\boxed{1}", _sample("1"), time_limit_s=0.2) for _ in range(2)]
-        finally:
-            type(verifier).score = original
+    type(verifier).score = slow_score
+    try:
+        with keep_alarm_handler():
+            assert verifier("0", _sample("1"), time_limit_s=0.3).score == 1.0
+            time.sleep(0.4)  # the timer armed by that call fires here, between calls
+            assert verifier("0.1", _sample("1"), time_limit_s=0.3).score == 1.0
+            # The timer armed by the call before (0.3 s from its start) fires 0.2 s into this
+            # one, which is within its own 0.3 s: the handler re-arms instead of timing out.
+            assert verifier("0.25", _sample("1"), time_limit_s=0.3).score == 1.0
+            results = [verifier("10", _sample("1"), time_limit_s=0.2) for _ in range(2)]
+            elapsed = time.monotonic() - calls[-2]
+    finally:
+        type(verifier).score = original
     assert all(r.score == 0.0 and r.error.startswith("timeout") for r in results)
+    assert elapsed < 5.0  # each 10 s call was cut off at its 0.2 s limit
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     assert signal.getsignal(signal.SIGALRM) is before
 
 

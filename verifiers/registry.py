@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -113,25 +114,49 @@ def _on_alarm(signum, frame):
 
 _alarm_kept = False
 """True inside `keep_alarm_handler()`: the SIGALRM handler stays installed between calls."""
+_deadline = 0.0
+"""Inside `keep_alarm_handler()`: the `time.monotonic()` deadline of the limited call running
+now (0: none is)."""
+_timer_at = 0.0
+"""Inside `keep_alarm_handler()`: when the armed timer fires (0: it is not armed)."""
+
+
+def _on_kept_alarm(signum, frame):
+    """The timer of `keep_alarm_handler()` fired: time out the running call if its deadline
+    has passed; otherwise (the timer was armed for an earlier call) re-arm it for this one's."""
+    global _timer_at
+    _timer_at = 0.0
+    if _deadline == 0.0:
+        return  # between calls: the next call arms it again
+    left = _deadline - time.monotonic()
+    if left <= 0.0:
+        raise VerifierTimeout()
+    signal.setitimer(signal.ITIMER_REAL, left)
+    _timer_at = _deadline
 
 
 @contextlib.contextmanager
 def keep_alarm_handler() -> Iterator[None]:
-    """Keep the time limit's SIGALRM handler installed for a block of many limited calls, so
-    each call only arms and disarms the timer (installing and restoring the handler costs
-    several microseconds a call). For processes that do nothing else, like a verifier worker.
-    Nested, the outer block's handler stays; outside the main thread it does nothing (no limit
-    applies there)."""
-    global _alarm_kept
+    """Make the time limits of a block of many limited calls cheap, for processes that do
+    nothing else, like a verifier worker: the SIGALRM handler stays installed, and the timer is
+    not disarmed after each call but left to run. Each call records its deadline; when the
+    timer fires, the handler times out the call running then if its deadline has passed, and
+    otherwise re-arms the timer for that deadline (or, between calls, leaves it off). So a
+    stream of calls that end in time costs about one timer signal per time limit instead of
+    two system calls and two handler swaps per call. Nested, the outer block's setting stays;
+    outside the main thread it does nothing (no limit applies there)."""
+    global _alarm_kept, _deadline, _timer_at
     if threading.current_thread() is not threading.main_thread() or _alarm_kept:
         yield
         return
-    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    previous = signal.signal(signal.SIGALRM, _on_kept_alarm)
     _alarm_kept = True
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         _alarm_kept = False
+        _deadline = _timer_at = 0.0
         signal.signal(signal.SIGALRM, previous)
 
 
@@ -143,14 +168,23 @@ def call_with_time_limit(fn: Callable[[], Any], seconds: float) -> Any:
     and the caller must bound it (the router does, by process). The handler is installed for
     the call and the previous one restored, unless `keep_alarm_handler()` keeps it.
     """
+    global _deadline, _timer_at
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         return fn()
     if _alarm_kept:
-        signal.setitimer(signal.ITIMER_REAL, seconds)
+        outer = _deadline
+        now = time.monotonic()
+        deadline = now + seconds
+        if outer and outer < deadline:
+            deadline = outer  # a call inside a limited call keeps the outer limit too
+        _deadline = deadline
+        if _timer_at == 0.0 or _timer_at > deadline:
+            signal.setitimer(signal.ITIMER_REAL, max(deadline - now, 1e-6))
+            _timer_at = deadline
         try:
             return fn()
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            _deadline = outer
 
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)

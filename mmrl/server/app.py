@@ -30,6 +30,7 @@ import asyncio
 import bisect
 import contextlib
 import functools
+import gc
 import hmac
 import json
 import logging
@@ -84,6 +85,7 @@ def _worker_main(
 
     import_plugins(plugins)
     warm_up_verifiers()
+    _freeze_heap()
     outbox.send_bytes(pickle.dumps(("ready", os.getpid())))
     checked: OrderedDict = OrderedDict()
     with keep_alarm_handler():  # this process only scores: each limited call just arms a timer
@@ -104,6 +106,14 @@ def _worker_main(
             outbox.send_bytes(pickle.dumps((seq, out), protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def _freeze_heap() -> None:
+    """Move everything allocated so far (modules, verifiers' caches) out of the garbage
+    collector's view: the full collections that the per-request garbage triggers would
+    otherwise walk that whole heap again and again."""
+    gc.collect()
+    gc.freeze()
+
+
 def _score_item(
     item: WireItem, checked: OrderedDict, cache_size: int, time_limit_s: float, samples: dict
 ) -> WireResult:
@@ -111,7 +121,8 @@ def _score_item(
     then the verifier under the time limit; any exception is the item's error result.
 
     `samples` (one chunk's): the responses of one sample share its record's objects (pickle keeps
-    that sharing within a chunk), so its `Sample` is built, and checked, once per chunk."""
+    that sharing within a chunk), so its `Sample` is built, and checked, once per chunk; so is
+    each `VerifyContext` (keyed by (step, total_steps))."""
     try:
         # Keyed by the identity of the shared objects: every item of the chunk is alive, so
         # no two distinct records can have the same key.
@@ -139,8 +150,13 @@ def _score_item(
         if problem is not None:
             field, message = problem
             return (0.0, {}, f"invalid sample: field '{field}': {message}", None, problem)
-        response, step, total_steps = item[8:11]
-        result = verifier(response, sample, VerifyContext(step, total_steps), time_limit_s=time_limit_s)
+        response, step, total_steps, native = item[8:12]
+        context = samples.get((step, total_steps))
+        if context is None:
+            context = samples[(step, total_steps)] = VerifyContext(step, total_steps)
+        result = verifier(response, sample, context, time_limit_s=time_limit_s)
+        if native and result.error is None:
+            return protocol.render_fields(float(result.score), result.components, result.extracted)
         components = {str(k): _number(v) for k, v in result.components.items()}
         extracted = None if result.extracted is None else str(result.extracted)
         return (float(result.score), components, result.error, extracted, None)
@@ -462,13 +478,12 @@ class WorkerPool:
         for (job, index), result in zip(chunk, payload):
             if not job.set(index, result):
                 continue  # the request timed out meanwhile
-            error = result[2]
             kind = None
-            if error is not None:
+            if type(result) is tuple and result[2] is not None:
                 kind = (
                     "invalid"
                     if result[4] is not None
-                    else ("timeout" if error.startswith("timeout") else "error")
+                    else ("timeout" if result[2].startswith("timeout") else "error")
                 )
             metrics.sample_done(job.items[index][0], kind)
         self._schedule_pump()
@@ -641,13 +656,15 @@ def _label(value: str) -> str:
 # The ASGI app
 
 
-def create_app(cfg: ServeConfig | None = None):
-    """The ASGI app serving `cfg`: a FastAPI app whose lifespan starts and stops the worker pool.
+def create_app(cfg: ServeConfig | None = None) -> RewardEndpoints:
+    """The ASGI app serving `cfg`: the reward endpoints in front of a FastAPI app (`.app`)
+    whose lifespan starts and stops the worker pool.
 
-    The reward endpoints are served by a pure-ASGI middleware in front of FastAPI's routing
-    (raw `receive`/`send`, no Request/Response objects: the per-request cost is what limits
-    throughput for fast verifiers); any other path falls through to FastAPI, so routes added
-    with `@app.get(...)` work as usual and unknown paths get FastAPI's 404/405."""
+    The reward endpoints are served by a pure-ASGI app outside FastAPI's middleware stack (raw
+    `receive`/`send`, no Request/Response objects: the per-request cost is what limits
+    throughput for fast verifiers); any other path, and the lifespan, go to the FastAPI app, so
+    routes added with `@create_app(cfg).app.get(...)` work as usual and unknown paths get
+    FastAPI's 404/405."""
     from fastapi import FastAPI
 
     from mmrl.router import import_plugins
@@ -663,6 +680,7 @@ def create_app(cfg: ServeConfig | None = None):
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await pool.start()
+        _freeze_heap()
         log.info(
             "mmrl reward server: %d verifier workers; verifiers: %s", pool.n_workers, ", ".join(sorted(known))
         )
@@ -682,12 +700,12 @@ def create_app(cfg: ServeConfig | None = None):
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.config = cfg
-    app.add_middleware(RewardEndpoints, endpoints=_Endpoints(cfg, pool, metrics, known))
-    return app
+    return RewardEndpoints(app, _Endpoints(cfg, pool, metrics, known))
 
 
 class _Endpoints:
-    """The handlers: `(body) -> (status, payload)`; errors are raised as `RequestError`/`Busy`."""
+    """The handlers: `(body) -> (status, payload)`, payload a JSON-able object, `JSONBody` or
+    text bytes; errors are raised as `RequestError`/`Busy`."""
 
     def __init__(self, cfg: ServeConfig, pool: WorkerPool, metrics: Metrics, known: frozenset[str]):
         self.cfg = cfg
@@ -716,7 +734,7 @@ class _Endpoints:
         results: list[WireResult] = job.results  # type: ignore[assignment]
         problems = []
         for where, result in zip(batch.wheres, results):
-            if result[4] is not None:
+            if type(result) is tuple and result[4] is not None:
                 field = rename(result[4][0])
                 problems.append(f"{where}.{field}: {result[4][1]}" if where else f"{field}: {result[4][1]}")
         if problems:
@@ -728,12 +746,7 @@ class _Endpoints:
     async def score(self, body: bytes) -> tuple[int, Any]:
         data = protocol.parse_json(body)
         batch = protocol.parse_score_request(data, self.known, self.cfg.max_batch, self.cfg.check_images)
-        results = await self._scored(batch)
-        errors = sum(1 for r in results if r[2] is not None)
-        return 200, {
-            "results": [protocol.result_json(i, r) for i, r in zip(batch.ids, results)],
-            "errors": errors,
-        }
+        return 200, JSONBody(protocol.score_response_json(batch.ids, await self._scored(batch)))
 
     async def get_reward(self, body: bytes) -> tuple[int, Any]:
         data = protocol.parse_json(body)
@@ -775,12 +788,17 @@ class _Endpoints:
         }
 
 
+class JSONBody(bytes):
+    """A handler's answer that is JSON text already."""
+
+
 _JSON = [(b"content-type", b"application/json")]
 _TEXT = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 
 
 class RewardEndpoints:
-    """Pure-ASGI middleware serving `_Endpoints.routes`; everything else goes to `app`."""
+    """Pure-ASGI app serving `_Endpoints.routes`; everything else (other paths, the lifespan)
+    goes to `app`."""
 
     def __init__(self, app: Any, endpoints: _Endpoints):
         self.app = app
@@ -817,7 +835,9 @@ class RewardEndpoints:
         except Exception as exc:  # noqa: BLE001 - a server bug: say so, keep serving
             log.exception("internal error in %s", scope["path"])
             status, payload = 500, {"detail": f"internal error: {type(exc).__name__}: {exc}"}
-        if isinstance(payload, bytes):
+        if isinstance(payload, JSONBody):
+            body, kind = payload, _JSON
+        elif isinstance(payload, bytes):
             body, kind = payload, _TEXT
         else:
             body, kind = json.dumps(payload, separators=(",", ":")).encode(), _JSON
@@ -925,6 +945,9 @@ def serve(cfg: ServeConfig) -> None:
         timeout_keep_alive=int(math.ceil(cfg.keep_alive_s)),
         limit_concurrency=cfg.max_connections,
         server_header=False,
+        # The endpoints never look at the client's address: skip rewriting it from
+        # X-Forwarded-For on every request.
+        proxy_headers=False,
     )
     uvicorn.Server(config).run()
 

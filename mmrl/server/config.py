@@ -50,8 +50,11 @@ class ServeConfig:
     `Retry-After` (back-pressure instead of an unbounded queue)."""
     retry_after_s: int = 1
     """Seconds sent in `Retry-After` with a 429."""
-    max_chunk: int = 64
-    """Most samples sent to a worker in one message (samples of all requests are batched)."""
+    max_chunk: int = 256
+    """Most samples sent to a worker in one message (samples of all requests are batched). An
+    idle pool gets each request's samples at once, split between the workers; under load the
+    queue is split into messages of up to this many, so the per-message cost (pickling, pipe,
+    waking the worker) is spread thin."""
     max_connections: int = 2048
     """Open connections at most; uvicorn answers 503 beyond (see `limit_concurrency`)."""
     keep_alive_s: float = 30.0

@@ -48,6 +48,7 @@ import base64
 import binascii
 import io
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,11 +58,14 @@ from mmrl.types import RewardSpec, Sample, VerifierResult, VerifyContext
 
 WireItem = tuple
 """(verifier, ground_truth, verifier_params, accuracy_ratio, format_ratio, data_source, sample_id,
-prompt, response, step, total_steps): what a worker process needs to score one response."""
+prompt, response, step, total_steps, native): what a worker process needs to score one
+response; `native` asks for the answer as `/score` sends it (see `WireResult`)."""
 
-WireResult = tuple
-"""(score, components, error, extracted, invalid): a worker's answer for one item; `invalid` is
-`(field, problem)` when the verifier's `check_sample` rejected the sample, else None."""
+WireResult = tuple | str
+"""A worker's answer for one item: `(score, components, error, extracted, invalid)`, where
+`invalid` is `(field, problem)` when the verifier's `check_sample` rejected the sample, else
+None; or, for a `native` item scored without error, the fields of its `/score` result as JSON
+text (`render_fields`), so the server only has to add the id."""
 
 
 class RequestError(Exception):
@@ -324,16 +328,82 @@ def parse_score_request(
         verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt = fields
         items.append(
             (verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt, response)
-            + (context.step, context.total_steps)
+            + (context.step, context.total_steps, True)
         )
         ids.append(sample_id)
         wheres.append(f"samples[{j}]")
     return ParsedBatch(items, ids, wheres, timeout_s)
 
 
-def result_json(sample_id: str, result: WireResult) -> dict[str, Any]:
+def result_json(sample_id: str, result: tuple) -> dict[str, Any]:
     score, components, error, extracted, _ = result
     return {"id": sample_id, "score": score, "components": components, "error": error, "extracted": extracted}
+
+
+_json_string = json.encoder.encode_basestring_ascii
+"""A str as JSON text, escaped as `json.dumps` escapes it (its C implementation)."""
+
+
+def _json_float(value: float) -> str:
+    """A float as `json.dumps` writes it (NaN and infinities included)."""
+    if value != value:
+        return "NaN"
+    if value == math.inf:
+        return "Infinity"
+    if value == -math.inf:
+        return "-Infinity"
+    return float.__repr__(value)
+
+
+def _json_number(value: Any) -> str:
+    """A component value as the float JSON number the results carry (NaN if not a number)."""
+    try:
+        return _json_float(float(value))
+    except (TypeError, ValueError):
+        return "NaN"
+
+
+_COMPONENTS_TEXT: dict[tuple, str] = {}
+"""Rendered components by their items: verifiers repeat a few combinations ({accuracy: 1.0,
+format: 1.0}, ...). Values equal as numbers share a text, so -0.0 may come out as 0.0."""
+
+
+def render_fields(score: float, components: dict[str, Any], extracted: Any) -> str:
+    """A `/score` result without error, less its id, as JSON text: what
+    `json.dumps(result_json(id, result))` writes after `{"id":...,` (component keys as str,
+    values as floats, `extracted` as str). Written by the verifier workers, so the server's
+    event loop only joins the texts."""
+    try:
+        key = tuple(components.items())
+        parts = _COMPONENTS_TEXT.get(key)
+    except TypeError:  # an unhashable value
+        key, parts = None, None
+    if parts is None:
+        parts = ",".join([_json_string(str(k)) + ":" + _json_number(v) for k, v in components.items()])
+        if key is not None:
+            if len(_COMPONENTS_TEXT) >= 1024:
+                _COMPONENTS_TEXT.clear()
+            _COMPONENTS_TEXT[key] = parts
+    text = "null" if extracted is None else _json_string(str(extracted))
+    return f'"score":{_json_float(score)},"components":{{{parts}}},"error":null,"extracted":{text}}}'
+
+
+def score_response_json(ids: Sequence[str], results: Sequence[WireResult]) -> bytes:
+    """The body of a `/score` answer: `{"results": [...], "errors": n}` as
+    `json.dumps(..., separators=(",", ":"))` writes it."""
+    parts = []
+    errors = 0
+    id_text: dict[str, str] = {}
+    for sample_id, result in zip(ids, results):
+        if type(result) is str:
+            head = id_text.get(sample_id)
+            if head is None:
+                head = id_text[sample_id] = '{"id":' + _json_string(sample_id) + ","
+            parts.append(head + result)
+        else:
+            errors += result[2] is not None
+            parts.append(json.dumps(result_json(sample_id, result), separators=(",", ":")))
+    return ('{"results":[' + ",".join(parts) + '],"errors":' + str(errors) + "}").encode()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,7 +445,9 @@ def parse_get_reward(
         verifier, gt, params, accuracy, fmt, data_source, sample_id = _label(
             label, f"labels[{i}]", known, label_mode, default_verifier
         )
-        items.append((verifier, gt, params, accuracy, fmt, data_source, sample_id, None, response, 0, 1))
+        items.append(
+            (verifier, gt, params, accuracy, fmt, data_source, sample_id, None, response, 0, 1, False)
+        )
         ids.append(sample_id)
         wheres.append(f"labels[{i}]")
     return ParsedBatch(items, ids, wheres)
@@ -522,6 +594,7 @@ def parse_judge(data: Any, known: frozenset[str], default_format_ratio: float) -
         response,
         step,
         total,
+        False,
     )
     return ParsedBatch([item], ["judge"], [""])
 
