@@ -614,3 +614,46 @@ def test_remote_router_errors_surface_when_the_server_is_unreachable():
     sample = make_samples(["colour_code"], 1, "train")[0]
     with router, pytest.raises(RewardServiceUnavailable, match="failed after 3 attempt"):
         router.score([sample], ["\\boxed{1}"], VerifyContext())
+
+
+def test_a_dead_worker_s_messages_are_queued_again_without_the_sample_it_was_scoring():
+    """A message holds spans of several requests; the worker's progress (message, index in
+    it) picks out the one sample to blame, and everything else it held goes back in order."""
+    from mmrl.server.app import _take_back
+
+    a, b, c = object(), object(), object()
+    chunks = {5: ([[a, 0, 3], [b, 2, 6]], 7), 6: ([[c, 0, 2]], 2)}
+    requeue, culprit = _take_back(chunks, (5, 4))  # index 4 of message 5: b's item 3
+    assert culprit == (b, 3)
+    assert requeue == [[a, 0, 3], [b, 2, 3], [b, 4, 6], [c, 0, 2]]
+    assert _take_back(chunks, (5, 3))[0] == [[a, 0, 3], [b, 3, 6], [c, 0, 2]]  # b's first
+    assert _take_back(chunks, (6, 1)) == ([[a, 0, 3], [b, 2, 6], [c, 0, 1]], (c, 1))
+    # Between samples (no progress recorded) nothing is blamed and nothing is lost.
+    assert _take_back(chunks, None) == ([[a, 0, 3], [b, 2, 6], [c, 0, 2]], None)
+
+
+def test_worker_rendered_results_are_the_json_the_server_would_write():
+    """Workers write a /score result's fields as JSON text; with the id added it must be what
+    `json.dumps` writes for the result object: escapes, NaN and infinities included."""
+    from mmrl.server.protocol import render_fields, result_json, score_response_json
+
+    cases = [
+        (1.0, {"accuracy": 1.0, "format": 1.0}, "4"),
+        (0.25, {'a\u00e9\n"': float("nan"), "x": float("inf"), "y": float("-inf"), 3: 1, "w": True}, None),
+        (1e-300, {}, 'caf\u00e9 \U0001f600 "q" \\'),
+        (0.1 + 0.2, {"bad": "not a number"}, 7),
+    ]
+    ids = ["s\u00e91", "two", "s\u00e91", "four"]
+    rendered = [render_fields(score, components, extracted) for score, components, extracted in cases]
+    expected = []
+    for sample_id, (score, components, extracted) in zip(ids, cases):
+        fields = {str(k): float(v) if not isinstance(v, str) else float("nan") for k, v in components.items()}
+        result = (score, fields, None, None if extracted is None else str(extracted), None)
+        expected.append(json.dumps(result_json(sample_id, result), separators=(",", ":")))
+    for sample_id, text, want in zip(ids, rendered, expected):
+        assert '{"id":' + json.dumps(sample_id) + "," + text == want
+    # Mixed with an error result (a tuple), the body is the one json.dumps writes.
+    results = [rendered[0], (0.0, {}, "boom", None, None), *rendered[2:]]
+    body = score_response_json(ids, results)
+    objects = [json.loads(expected[0]), result_json("two", results[1]), *map(json.loads, expected[2:])]
+    assert body.decode() == json.dumps({"results": objects, "errors": 1}, separators=(",", ":"))

@@ -199,7 +199,7 @@ def test_vtriune_judge_payload_becomes_an_mmrl_sample():
         "fmt_ratio": 0.25,
     }
     (item,) = parse_judge(payload, KNOWN, 0.1).items
-    verifier, gt, params, accuracy, fmt, data_source, _, prompt, response, step, total = item
+    verifier, gt, params, accuracy, fmt, data_source, _, prompt, response, step, total, native = item
     assert verifier == "detection" and data_source == "coco" and prompt == "find the dog"
     assert gt == [{"bbox_2d": [1, 2, 3, 4], "label": "dog"}]
     assert params == {
@@ -209,7 +209,7 @@ def test_vtriune_judge_payload_becomes_an_mmrl_sample():
         "weights": {"iou_max_label_first": 0.5, "map": 0.5},
     }
     assert (accuracy, fmt) == (pytest.approx(0.8), pytest.approx(0.2))  # 1 : 0.25, normalised
-    assert (step, total, response) == (7, 70, "<answer>[]</answer>")
+    assert (step, total, response, native) == (7, 70, "<answer>[]</answer>", False)
     math_item = parse_judge(
         {"response": "r", "solution": "4", "reward_verifier": "mathverify"}, KNOWN, 0.1
     ).items[0]

@@ -202,6 +202,18 @@ class Job:
             self.finish()
         return True
 
+    def fill(self, start: int, results: list[WireResult]) -> bool:
+        """Record the results of items `start, start + 1, ...`, none of which has one yet
+        (each item is sent to a worker once, or again only after a worker died without
+        answering for it); False if the job is already done (timed out)."""
+        if self.done:
+            return False
+        self.results[start : start + len(results)] = results
+        self.remaining -= len(results)
+        if self.remaining == 0:
+            self.finish()
+        return True
+
     def finish(self) -> None:
         self.done = True
         if self.timer is not None:
@@ -242,11 +254,45 @@ class _Reader(asyncio.Protocol):
         pass  # the process sentinel reports the worker's end
 
 
+def _span_items(spans: list[Span]) -> list[WireItem]:
+    if len(spans) == 1:
+        job, start, end = spans[0]
+        return job.items[start:end]
+    items: list[WireItem] = []
+    for job, start, end in spans:
+        items += job.items[start:end]
+    return items
+
+
+def _take_back(
+    chunks: dict[int, tuple[list[Span], int]], blamed: tuple[int, int] | None
+) -> tuple[list[Span], tuple[Job, int] | None]:
+    """What a dead worker held: the spans to queue again, and `(job, item)` of the one it was
+    scoring (`blamed`: (message seq, index in the message)), which is left out of them."""
+    requeue: list[Span] = []
+    culprit = None
+    for seq, (spans, _) in chunks.items():
+        offset = 0
+        for job, start, end in spans:
+            item = start + blamed[1] - offset if blamed is not None and seq == blamed[0] else -1
+            offset += end - start
+            if start <= item < end:
+                culprit = (job, item)
+                requeue += [span for span in ([job, start, item], [job, item + 1, end]) if span[1] < span[2]]
+            else:
+                requeue.append([job, start, end])
+    return requeue, culprit
+
+
 def _frame(payload: bytes) -> bytes:
     n = len(payload)
     if n > 0x7FFFFFFF:
         return _HEADER.pack(-1) + _LONG_HEADER.pack(n) + payload
     return _HEADER.pack(n) + payload
+
+
+Span = list
+"""`[job, start, end]`: items `start:end` of a job, queued or sent to a worker together."""
 
 
 class _Worker:
@@ -271,7 +317,8 @@ class _Worker:
         self.reader: asyncio.ReadTransport | None = None
         self.ready = False
         self.dead = False
-        self.chunks: dict[int, list[tuple[Job, int]]] = {}
+        self.chunks: dict[int, tuple[list[Span], int]] = {}
+        """In flight: message seq -> (its spans, its item count)."""
         self.n_items = 0
         self.kill_reason: str | None = None
 
@@ -284,7 +331,9 @@ class WorkerPool:
         self.metrics = metrics
         self.n_workers = cfg.resolved_workers()
         self.ctx = multiprocessing.get_context("spawn")
-        self.queue: deque[tuple[Job, int]] = deque()
+        self.queue: deque[Span] = deque()
+        self.queued = 0
+        """Items in `queue`."""
         self.workers: list[_Worker] = []
         self.pending = 0
         self.seq = 0
@@ -355,13 +404,14 @@ class WorkerPool:
             worker.proc.join(1.0)
             if worker.reader is not None:
                 worker.reader.close()
-        for job, _ in self.queue:
+        for job, _, _ in self.queue:
             self._fail(job, "the server is shutting down")
         for worker in self.workers:
-            for chunk in worker.chunks.values():
-                for job, _ in chunk:
+            for spans, _ in worker.chunks.values():
+                for job, _, _ in spans:
                     self._fail(job, "the server is shutting down")
         self.queue.clear()
+        self.queued = 0
 
     # -- submitting work
 
@@ -379,7 +429,8 @@ class WorkerPool:
                 f"{self.pending} samples are pending and this request adds {len(items)} (limit {self.cfg.max_pending})"
             )
         self.pending += len(items)
-        self.queue.extend((job, i) for i in range(len(items)))
+        self.queue.append([job, 0, len(items)])
+        self.queued += len(items)
         job.timer = loop.call_later(timeout_s, self._expire, job, timeout_s)
         self._schedule_pump()
         return job
@@ -415,48 +466,58 @@ class WorkerPool:
         free = [w for w in self.workers if w.ready and not w.dead and len(w.chunks) < PIPELINE_DEPTH]
         if not free:
             return
-        size = min(self.cfg.max_chunk, math.ceil(len(queue) / len(free)))
+        size = min(self.cfg.max_chunk, math.ceil(self.queued / len(free)))
         while queue and free:
             worker = min(free, key=lambda w: w.n_items)
-            chunk: list[tuple[Job, int]] = []
-            while queue and len(chunk) < size:
-                job, index = queue.popleft()
+            spans: list[Span] = []
+            n = 0
+            while queue and n < size:
+                span = queue[0]
+                job, start, end = span
                 if job.done:  # its request timed out
-                    self.pending -= 1
+                    queue.popleft()
+                    self.queued -= end - start
+                    self.pending -= end - start
                     continue
-                chunk.append((job, index))
-            if not chunk:
+                take = min(end - start, size - n)
+                spans.append([job, start, start + take])
+                n += take
+                self.queued -= take
+                if start + take == end:
+                    queue.popleft()
+                else:
+                    span[1] = start + take
+            if not spans:
                 return
             self.seq += 1
             try:
-                payload = pickle.dumps(
-                    (self.seq, [job.items[i] for job, i in chunk]), protocol=pickle.HIGHEST_PROTOCOL
-                )
+                payload = pickle.dumps((self.seq, _span_items(spans)), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception:  # noqa: BLE001 - e.g. a ground truth nested too deeply to pickle
-                chunk = self._drop_unpicklable(chunk)
-                if not chunk:
+                spans = self._drop_unpicklable(spans)
+                if not spans:
                     continue
-                payload = pickle.dumps(
-                    (self.seq, [job.items[i] for job, i in chunk]), protocol=pickle.HIGHEST_PROTOCOL
-                )
-            worker.chunks[self.seq] = chunk
-            worker.n_items += len(chunk)
+                n = sum(end - start for _, start, end in spans)
+                payload = pickle.dumps((self.seq, _span_items(spans)), protocol=pickle.HIGHEST_PROTOCOL)
+            worker.chunks[self.seq] = (spans, n)
+            worker.n_items += n
             worker.writer.write(_frame(payload))
             if len(worker.chunks) >= PIPELINE_DEPTH:
                 free.remove(worker)
 
-    def _drop_unpicklable(self, chunk: list[tuple[Job, int]]) -> list[tuple[Job, int]]:
-        """The items of `chunk` that can be sent; the others get an error result now."""
+    def _drop_unpicklable(self, spans: list[Span]) -> list[Span]:
+        """The items of `spans` that can be sent (as one-item spans); the others get an error
+        result now."""
         keep = []
-        for job, index in chunk:
-            try:
-                pickle.dumps(job.items[index], protocol=pickle.HIGHEST_PROTOCOL)
-                keep.append((job, index))
-            except Exception as exc:  # noqa: BLE001
-                self.pending -= 1
-                error = f"cannot send this sample to a verifier worker: {type(exc).__name__}: {exc}"
-                if job.set(index, (0.0, {}, error, None, None)):
-                    self.metrics.sample_done(job.items[index][0], "error")
+        for job, start, end in spans:
+            for index in range(start, end):
+                try:
+                    pickle.dumps(job.items[index], protocol=pickle.HIGHEST_PROTOCOL)
+                    keep.append([job, index, index + 1])
+                except Exception as exc:  # noqa: BLE001
+                    self.pending -= 1
+                    error = f"cannot send this sample to a verifier worker: {type(exc).__name__}: {exc}"
+                    if job.set(index, (0.0, {}, error, None, None)):
+                        self.metrics.sample_done(job.items[index][0], "error")
         return keep
 
     # -- worker events
@@ -469,23 +530,18 @@ class WorkerPool:
             log.info("verifier worker %d ready (pid %d)", worker.slot, payload)
             self._schedule_pump()
             return
-        chunk = worker.chunks.pop(seq, None)
-        if chunk is None:
+        sent = worker.chunks.pop(seq, None)
+        if sent is None:
             return
-        worker.n_items -= len(chunk)
-        self.pending -= len(chunk)
-        metrics = self.metrics
-        for (job, index), result in zip(chunk, payload):
-            if not job.set(index, result):
-                continue  # the request timed out meanwhile
-            kind = None
-            if type(result) is tuple and result[2] is not None:
-                kind = (
-                    "invalid"
-                    if result[4] is not None
-                    else ("timeout" if result[2].startswith("timeout") else "error")
-                )
-            metrics.sample_done(job.items[index][0], kind)
+        spans, n = sent
+        worker.n_items -= n
+        self.pending -= n
+        offset = 0
+        for job, start, end in spans:
+            results = payload[offset : offset + end - start]
+            offset += end - start
+            if job.fill(start, results):  # else the request timed out meanwhile
+                self.metrics.results_done(job.items[start:end], results)
         self._schedule_pump()
 
     def _on_exit(self, worker: _Worker) -> None:
@@ -507,18 +563,16 @@ class WorkerPool:
         )
         seq, index, started = worker.progress[0], worker.progress[1], worker.progress[2]
         blamed = (int(seq), int(index)) if started > 0 else None
-        requeue: list[tuple[Job, int]] = []
-        for s, chunk in worker.chunks.items():
-            for i, (job, item) in enumerate(chunk):
-                if (s, i) == blamed:
-                    self.pending -= 1
-                    if job.set(item, (0.0, {}, reason, None, None)):
-                        kind = "timeout" if worker.kill_reason else "crash"
-                        self.metrics.sample_done(job.items[item][0], kind)
-                else:
-                    requeue.append((job, item))
+        requeue, culprit = _take_back(worker.chunks, blamed)
+        if culprit is not None:
+            job, item = culprit
+            self.pending -= 1
+            if job.set(item, (0.0, {}, reason, None, None)):
+                kind = "timeout" if worker.kill_reason else "crash"
+                self.metrics.sample_done(job.items[item][0], kind)
         worker.chunks.clear()
         self.queue.extendleft(reversed(requeue))
+        self.queued += sum(end - start for _, start, end in requeue)
         self._schedule_pump()
         if worker.ready:
             log.warning("verifier worker %d (pid %s) ended: %s", worker.slot, worker.proc.pid, reason)
@@ -598,6 +652,21 @@ class Metrics:
         self.samples[verifier] += 1
         if error_kind is not None:
             self.errors[(verifier, error_kind)] += 1
+
+    def results_done(self, items: list[WireItem], results: list[WireResult]) -> None:
+        """Count workers' results (an error kind: invalid sample, timeout or error)."""
+        samples = self.samples
+        for item, result in zip(items, results):
+            samples[item[0]] += 1
+            if type(result) is tuple and result[2] is not None:
+                kind = (
+                    "invalid"
+                    if result[4] is not None
+                    else "timeout"
+                    if result[2].startswith("timeout")
+                    else "error"
+                )
+                self.errors[(item[0], kind)] += 1
 
     def render(self, pool: WorkerPool) -> str:
         lines = [

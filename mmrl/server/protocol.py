@@ -318,20 +318,20 @@ def parse_score_request(
             raise bad("timeout_s", f"must be a number of seconds > 0, got {timeout_s!r}")
         timeout_s = float(timeout_s)
     parsed: dict[int, tuple] = {}
+    tail = (context.step, context.total_steps, True)
     items, ids, wheres = [], [], []
     for i, (j, response) in enumerate(zip(index, responses)):
         if not isinstance(response, str):
             raise bad(f"responses[{i}]", f"must be a string, got {_type_name(response)}")
-        fields = parsed.get(j)
-        if fields is None:
-            fields = parsed[j] = parse_record(samples[j], f"samples[{j}]", known, check_images)
-        verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt = fields
-        items.append(
-            (verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt, response)
-            + (context.step, context.total_steps, True)
-        )
+        known_sample = parsed.get(j)
+        if known_sample is None:
+            where = f"samples[{j}]"
+            fields = parse_record(samples[j], where, known, check_images)
+            known_sample = parsed[j] = (fields, fields[6], where)
+        fields, sample_id, where = known_sample
+        items.append((*fields, response, *tail))
         ids.append(sample_id)
-        wheres.append(f"samples[{j}]")
+        wheres.append(where)
     return ParsedBatch(items, ids, wheres, timeout_s)
 
 
