@@ -657,3 +657,43 @@ def test_worker_rendered_results_are_the_json_the_server_would_write():
     body = score_response_json(ids, results)
     objects = [json.loads(expected[0]), result_json("two", results[1]), *map(json.loads, expected[2:])]
     assert body.decode() == json.dumps({"results": objects, "errors": 1}, separators=(",", ":"))
+
+
+def test_writes_of_one_loop_turn_leave_as_one_and_close_sends_what_is_pending():
+    """uvicorn writes a response's head and body separately; the server's transport joins
+    them so each response is one segment, in order, and nothing is lost on close."""
+    import asyncio
+
+    from mmrl.server.app import _CoalescingTransport
+
+    class Recorder:
+        def __init__(self):
+            self.calls: list = []
+
+        def write(self, data):
+            self.calls.append(("write", data))
+
+        def close(self):
+            self.calls.append(("close",))
+
+        def is_closing(self):
+            return ("close",) in self.calls
+
+        def get_extra_info(self, name):
+            return f"info:{name}"
+
+    async def main():
+        raw = Recorder()
+        transport = _CoalescingTransport(raw, asyncio.get_running_loop())
+        transport.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        transport.write(b"body")
+        assert raw.calls == []  # held until the end of this turn
+        await asyncio.sleep(0)
+        assert raw.calls == [("write", b"HTTP/1.1 200 OK\r\n\r\nbody")]
+        transport.write(b"last")
+        transport.close()
+        await asyncio.sleep(0)
+        assert raw.calls[1:] == [("write", b"last"), ("close",)]
+        assert transport.get_extra_info("peername") == "info:peername"
+
+    asyncio.run(main())

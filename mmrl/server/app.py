@@ -977,8 +977,39 @@ class RewardEndpoints:
 # Running it
 
 
+class _CoalescingTransport:
+    """A transport whose writes made in one turn of the event loop go out as one write at the
+    end of it: uvicorn writes a response's head and body separately, which with TCP_NODELAY
+    would be two segments (two system calls, and two wake-ups of the client)."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] | None = None
+
+    def write(self, data: bytes) -> None:
+        if self._pending is None:
+            self._pending = [data]
+            self._loop.call_soon(self._flush)
+        else:
+            self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def _nodelay_protocol():
-    """uvicorn's HTTP protocol with TCP_NODELAY set on every accepted socket."""
+    """uvicorn's HTTP protocol with TCP_NODELAY set on every accepted socket, and the writes
+    of one loop turn coalesced (`_CoalescingTransport`)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class NoDelayHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
@@ -987,7 +1018,7 @@ def _nodelay_protocol():
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            super().connection_made(transport)
+            super().connection_made(_CoalescingTransport(transport, asyncio.get_running_loop()))
 
     return NoDelayHTTPProtocol
 
