@@ -16,11 +16,20 @@ hang inside C code, which the verifier's own timer signal cannot interrupt); a w
 was scoring gets an error result, the other samples it held are re-queued, a replacement worker
 is spawned, and the server keeps serving.
 
-The endpoints are served by a pure-ASGI middleware in front of FastAPI's router (raw
-`receive`/`send`: for a verifier that takes 0.06 ms, FastAPI's per-request machinery would cost
-more than the scoring), with hand-written validation that names the offending field. Accepted
-sockets get TCP_NODELAY, so a keep-alive response is never held back by Nagle's algorithm waiting
-for the client's delayed ACK (~40 ms).
+The endpoints are served by a pure-ASGI app in front of the FastAPI app, outside its middleware
+stack (raw `receive`/`send`: for a verifier that takes 0.04 ms, FastAPI's per-request machinery
+would cost more than the scoring), with hand-written validation that names the offending field.
+Accepted sockets get TCP_NODELAY, so a keep-alive response is never held back by Nagle's
+algorithm waiting for the client's delayed ACK (~40 ms), and a response's head and body leave in
+one write.
+
+Where the CPU goes. On a machine whose cores the workers keep busy, the server's throughput is
+the cores divided by the CPU that a response costs all processes, so the work around the
+verifier is kept small: workers write each `/score` result's JSON text themselves (the event
+loop only joins texts), keep their time-limit timer armed across samples
+(`keep_alarm_handler`), and take the queue in messages of up to `max_chunk` samples; the queue
+holds spans of requests rather than one entry per sample; and the start-up heap is frozen out
+of the garbage collector's way.
 """
 
 from __future__ import annotations
