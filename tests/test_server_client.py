@@ -166,11 +166,13 @@ def test_openrlhf_label_modes():
     labels = ["3", json.dumps({"verifier": "choice", "ground_truth": "B", "id": "q7"}), '{"a": 1}']
     body = {"query": ["x", "y", "z"], "labels": labels}
     auto = parse_get_reward(body, KNOWN, 10, "auto", "math")
-    assert [i[0] for i in auto.items] == ["math", "choice", "math"]
-    assert auto.items[2][1] == '{"a": 1}'  # a JSON object without "verifier" is a ground truth in auto mode
+    assert [fields[0] for fields, *_ in auto.items] == ["math", "choice", "math"]
+    assert (
+        auto.items[2][0][1] == '{"a": 1}'
+    )  # a JSON object without "verifier" is a ground truth in auto mode
     assert auto.ids == ["labels[0]", "q7", "labels[2]"]
     plain = parse_get_reward(body, KNOWN, 10, "ground_truth", "math")
-    assert [i[0] for i in plain.items] == ["math"] * 3 and plain.items[1][1] == labels[1]
+    assert [fields[0] for fields, *_ in plain.items] == ["math"] * 3 and plain.items[1][0][1] == labels[1]
     with pytest.raises(RequestError, match=r"labels\[0\]: must be a reward_model object"):
         parse_get_reward(body, KNOWN, 10, "reward_model", "math")
     with pytest.raises(RequestError, match=r"labels\[0\].verifier: missing"):
@@ -198,8 +200,8 @@ def test_vtriune_judge_payload_becomes_an_mmrl_sample():
         "accuracy_ratio": 1.0,
         "fmt_ratio": 0.25,
     }
-    (item,) = parse_judge(payload, KNOWN, 0.1).items
-    verifier, gt, params, accuracy, fmt, data_source, _, prompt, response, step, total, native = item
+    ((fields, response, step, total, native),) = parse_judge(payload, KNOWN, 0.1).items
+    verifier, gt, params, accuracy, fmt, data_source, _, prompt = fields
     assert verifier == "detection" and data_source == "coco" and prompt == "find the dog"
     assert gt == [{"bbox_2d": [1, 2, 3, 4], "label": "dog"}]
     assert params == {
@@ -212,7 +214,7 @@ def test_vtriune_judge_payload_becomes_an_mmrl_sample():
     assert (step, total, response, native) == (7, 70, "<answer>[]</answer>", False)
     math_item = parse_judge(
         {"response": "r", "solution": "4", "reward_verifier": "mathverify"}, KNOWN, 0.1
-    ).items[0]
+    ).items[0][0]
     assert math_item[0] == "math" and math_item[2] == {"format": "think_answer"}
     assert (math_item[3], math_item[4]) == (pytest.approx(1 / 1.1), pytest.approx(0.1 / 1.1))
 

@@ -129,20 +129,20 @@ def _score_item(
     """Score one item: the verifier's `check_sample` (remembered per ground truth and params),
     then the verifier under the time limit; any exception is the item's error result.
 
-    `samples` (one chunk's): the responses of one sample share its record's objects (pickle keeps
+    `samples` (one chunk's): the responses of one sample share its fields tuple (pickle keeps
     that sharing within a chunk), so its `Sample` is built, and checked, once per chunk; so is
     each `VerifyContext` (keyed by (step, total_steps))."""
     try:
-        # Keyed by the identity of the shared objects: every item of the chunk is alive, so
-        # no two distinct records can have the same key.
-        local = (id(item[1]), id(item[2]), id(item[7]), item[0], *item[3:7])
-        known = samples.get(local)
+        fields = item[0]
+        # Keyed by the shared tuple's identity: every item of the chunk is alive, so no two
+        # distinct tuples can have the same key.
+        known = samples.get(id(fields))
         if known is not None:
             sample, verifier, problem = known
         else:
-            sample = protocol.item_sample(item)
+            sample = protocol.fields_sample(fields)
             verifier = get_verifier(sample.reward_model.verifier)
-            key = (item[0], repr(item[1]), repr(item[2]))
+            key = (fields[0], repr(fields[1]), repr(fields[2]))
             problem = checked.get(key, False)
             if problem is False:
                 try:
@@ -155,11 +155,11 @@ def _score_item(
                 checked[key] = problem
                 if len(checked) > cache_size:
                     checked.popitem(last=False)
-            samples[local] = (sample, verifier, problem)
+            samples[id(fields)] = (sample, verifier, problem)
         if problem is not None:
             field, message = problem
             return (0.0, {}, f"invalid sample: field '{field}': {message}", None, problem)
-        response, step, total_steps, native = item[8:12]
+        _, response, step, total_steps, native = item
         context = samples.get((step, total_steps))
         if context is None:
             context = samples[(step, total_steps)] = VerifyContext(step, total_steps)
@@ -451,7 +451,7 @@ class WorkerPool:
         for i, result in enumerate(job.results):
             if result is None:
                 job.results[i] = (0.0, {}, message, None, None)
-                self.metrics.sample_done(job.items[i][0], "timeout")
+                self.metrics.sample_done(job.items[i][0][0], "timeout")
         job.remaining = 0
         job.finish()
 
@@ -526,7 +526,7 @@ class WorkerPool:
                     self.pending -= 1
                     error = f"cannot send this sample to a verifier worker: {type(exc).__name__}: {exc}"
                     if job.set(index, (0.0, {}, error, None, None)):
-                        self.metrics.sample_done(job.items[index][0], "error")
+                        self.metrics.sample_done(job.items[index][0][0], "error")
         return keep
 
     # -- worker events
@@ -578,7 +578,7 @@ class WorkerPool:
             self.pending -= 1
             if job.set(item, (0.0, {}, reason, None, None)):
                 kind = "timeout" if worker.kill_reason else "crash"
-                self.metrics.sample_done(job.items[item][0], kind)
+                self.metrics.sample_done(job.items[item][0][0], kind)
         worker.chunks.clear()
         self.queue.extendleft(reversed(requeue))
         self.queued += sum(end - start for _, start, end in requeue)
@@ -666,7 +666,8 @@ class Metrics:
         """Count workers' results (an error kind: invalid sample, timeout or error)."""
         samples = self.samples
         for item, result in zip(items, results):
-            samples[item[0]] += 1
+            verifier = item[0][0]
+            samples[verifier] += 1
             if type(result) is tuple and result[2] is not None:
                 kind = (
                     "invalid"
@@ -675,7 +676,7 @@ class Metrics:
                     if result[2].startswith("timeout")
                     else "error"
                 )
-                self.errors[(item[0], kind)] += 1
+                self.errors[(verifier, kind)] += 1
 
     def render(self, pool: WorkerPool) -> str:
         lines = [

@@ -56,10 +56,15 @@ from typing import Any
 
 from mmrl.types import RewardSpec, Sample, VerifierResult, VerifyContext
 
-WireItem = tuple
+SampleFields = tuple
 """(verifier, ground_truth, verifier_params, accuracy_ratio, format_ratio, data_source, sample_id,
-prompt, response, step, total_steps, native): what a worker process needs to score one
-response; `native` asks for the answer as `/score` sends it (see `WireResult`)."""
+prompt): what a worker needs of a sample."""
+
+WireItem = tuple
+"""(sample fields, response, step, total_steps, native): what a worker process needs to score
+one response; `native` asks for the answer as `/score` sends it (see `WireResult`). The
+responses to one sample share one `SampleFields` tuple, which pickling keeps shared, so a
+worker builds and checks each sample once per message."""
 
 WireResult = tuple | str
 """A worker's answer for one item: `(score, components, error, extracted, invalid)`, where
@@ -329,7 +334,7 @@ def parse_score_request(
             fields = parse_record(samples[j], where, known, check_images)
             known_sample = parsed[j] = (fields, fields[6], where)
         fields, sample_id, where = known_sample
-        items.append((*fields, response, *tail))
+        items.append((fields, response, *tail))
         ids.append(sample_id)
         wheres.append(where)
     return ParsedBatch(items, ids, wheres, timeout_s)
@@ -442,12 +447,9 @@ def parse_get_reward(
             prompt = _string(prompts[i], f"prompts[{i}]")
             if prompt and query.startswith(prompt):
                 response = query[len(prompt) :]
-        verifier, gt, params, accuracy, fmt, data_source, sample_id = _label(
-            label, f"labels[{i}]", known, label_mode, default_verifier
-        )
-        items.append(
-            (verifier, gt, params, accuracy, fmt, data_source, sample_id, None, response, 0, 1, False)
-        )
+        fields = (*_label(label, f"labels[{i}]", known, label_mode, default_verifier), None)
+        sample_id = fields[6]
+        items.append((fields, response, 0, 1, False))
         ids.append(sample_id)
         wheres.append(f"labels[{i}]")
     return ParsedBatch(items, ids, wheres)
@@ -582,7 +584,7 @@ def parse_judge(data: Any, known: frozenset[str], default_format_ratio: float) -
             f"unknown verifier {data['reward_verifier']!r} (known: {', '.join(sorted(known))}; V-Triune's "
             "'mathverify' is mmrl's 'math')",
         )
-    item = (
+    fields = (
         verifier,
         reward["ground_truth"],
         reward["verifier_params"],
@@ -591,11 +593,8 @@ def parse_judge(data: Any, known: frozenset[str], default_format_ratio: float) -
         data_source,
         "judge",
         prompt,
-        response,
-        step,
-        total,
-        False,
     )
+    item = (fields, response, step, total, False)
     return ParsedBatch([item], ["judge"], [""])
 
 
@@ -643,9 +642,9 @@ def result_from_json(value: dict[str, Any]) -> VerifierResult:
     )
 
 
-def item_sample(item: WireItem) -> Sample:
+def fields_sample(fields: SampleFields) -> Sample:
     """The `Sample` a worker scores (images are never sent to workers)."""
-    verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt = item[:8]
+    verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt = fields
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     return Sample(
