@@ -130,6 +130,31 @@ def test_a_kept_alarm_handler_still_interrupts_and_is_restored_after():
     assert signal.getsignal(signal.SIGALRM) is before
 
 
+def test_a_kept_alarm_still_limits_the_outer_call_after_an_inner_call_timed_out():
+    """Limited calls nest (a plugin verifier may call another verifier): the inner call keeps
+    the outer limit, and once the inner one has timed out the outer one is still cut off."""
+    from mmrl.verifiers.registry import VerifierTimeout, call_with_time_limit, keep_alarm_handler
+
+    seen = []
+
+    def outer():
+        try:
+            call_with_time_limit(lambda: time.sleep(5), 0.1)
+        except VerifierTimeout:
+            seen.append("inner timed out")
+        time.sleep(5)
+
+    start = time.monotonic()
+    with keep_alarm_handler():
+        with pytest.raises(VerifierTimeout):
+            call_with_time_limit(outer, 0.4)
+        # An inner limit longer than the outer one ends at the outer deadline.
+        with pytest.raises(VerifierTimeout):
+            call_with_time_limit(lambda: call_with_time_limit(lambda: time.sleep(5), 3.0), 0.2)
+    assert seen == ["inner timed out"]
+    assert time.monotonic() - start < 3.0  # each 5 s sleep was cut off at its limit
+
+
 def test_router_kills_a_verifier_stuck_in_c_code_and_keeps_serving():
     """SymPy evaluating 9^(9^(9^9)) sits in C integer code where no signal handler runs:
     only killing the worker process bounds it."""

@@ -185,6 +185,10 @@ def call_with_time_limit(fn: Callable[[], Any], seconds: float) -> Any:
             return fn()
         finally:
             _deadline = outer
+            if outer and (_timer_at == 0.0 or _timer_at > outer):
+                # This call timed out (the timer went off) inside a limited call: re-arm for it.
+                signal.setitimer(signal.ITIMER_REAL, max(outer - time.monotonic(), 1e-6))
+                _timer_at = outer
 
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
