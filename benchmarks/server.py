@@ -152,8 +152,8 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         end = self.buffer.find(b"\r\n\r\n")
-        if end < 0 or self.waiter is None:
-            return
+        if end < 0 or self.waiter is None or self.waiter.done():
+            return  # incomplete, or nothing asked (a stray byte would show up as a bad answer)
         head = bytes(self.buffer[:end])
         length = 0
         for line in head.split(b"\r\n"):

@@ -642,8 +642,11 @@ def test_worker_rendered_results_are_the_json_the_server_would_write():
         (0.25, {'a\u00e9\n"': float("nan"), "x": float("inf"), "y": float("-inf"), 3: 1, "w": True}, None),
         (1e-300, {}, 'caf\u00e9 \U0001f600 "q" \\'),
         (0.1 + 0.2, {"bad": "not a number"}, 7),
+        (0.5, {1: 0.5}, None),
+        (0.5, {True: 0.5}, None),  # equal to the key 1, but named "True"
+        (0.5, {1: 0.25, "1": 0.75}, None),  # one key "1" in JSON, as the tuple path has it
     ]
-    ids = ["s\u00e91", "two", "s\u00e91", "four"]
+    ids = ["s\u00e91", "two", "s\u00e91", "four", "five", "six", "seven"]
     rendered = [render_fields(score, components, extracted) for score, components, extracted in cases]
     expected = []
     for sample_id, (score, components, extracted) in zip(ids, cases):
@@ -653,6 +656,7 @@ def test_worker_rendered_results_are_the_json_the_server_would_write():
     for sample_id, text, want in zip(ids, rendered, expected):
         assert '{"id":' + json.dumps(sample_id) + "," + text == want
     # Mixed with an error result (a tuple), the body is the one json.dumps writes.
+    assert rendered[4] != rendered[5] and rendered[6].count('"1":') == 1
     results = [rendered[0], (0.0, {}, "boom", None, None), *rendered[2:]]
     body = score_response_json(ids, results)
     objects = [json.loads(expected[0]), result_json("two", results[1]), *map(json.loads, expected[2:])]

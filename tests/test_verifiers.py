@@ -155,6 +155,34 @@ def test_a_kept_alarm_still_limits_the_outer_call_after_an_inner_call_timed_out(
     assert time.monotonic() - start < 3.0  # each 5 s sleep was cut off at its limit
 
 
+def test_a_kept_alarm_survives_a_library_using_the_same_timer_and_tiny_limits():
+    """A library inside a limited call may use SIGALRM itself (math_verify's timeouts: its own
+    handler and `signal.alarm`, cancelled when done); later calls must still be limited. And a
+    limit so small that the timer goes off before the call starts leaves nothing behind."""
+    import contextlib
+    import signal
+
+    from mmrl.verifiers.registry import VerifierTimeout, call_with_time_limit, keep_alarm_handler
+
+    def library():
+        previous = signal.signal(signal.SIGALRM, lambda *args: None)
+        signal.alarm(3)
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        return "parsed"
+
+    start = time.monotonic()
+    with keep_alarm_handler():
+        assert call_with_time_limit(library, 0.3) == "parsed"
+        with pytest.raises(VerifierTimeout):
+            call_with_time_limit(lambda: time.sleep(5), 0.3)
+        for _ in range(200):
+            with contextlib.suppress(VerifierTimeout):
+                call_with_time_limit(lambda: None, 1e-7)
+        assert call_with_time_limit(lambda: time.sleep(0.01) or "in time", 5.0) == "in time"
+    assert time.monotonic() - start < 3.0
+
+
 def test_router_kills_a_verifier_stuck_in_c_code_and_keeps_serving():
     """SymPy evaluating 9^(9^(9^9)) sits in C integer code where no signal handler runs:
     only killing the worker process bounds it."""

@@ -117,35 +117,42 @@ _alarm_kept = False
 _deadline = 0.0
 """Inside `keep_alarm_handler()`: the `time.monotonic()` deadline of the limited call running
 now (0: none is)."""
-_timer_at = 0.0
-"""Inside `keep_alarm_handler()`: when the armed timer fires (0: it is not armed)."""
 
 
 def _on_kept_alarm(signum, frame):
     """The timer of `keep_alarm_handler()` fired: time out the running call if its deadline
     has passed; otherwise (the timer was armed for an earlier call) re-arm it for this one's."""
-    global _timer_at
-    _timer_at = 0.0
     if _deadline == 0.0:
         return  # between calls: the next call arms it again
     left = _deadline - time.monotonic()
     if left <= 0.0:
         raise VerifierTimeout()
     signal.setitimer(signal.ITIMER_REAL, left)
-    _timer_at = _deadline
+
+
+def _arm_by(deadline: float, now: float) -> None:
+    """Make the timer go off by `deadline`: arm it unless it is already set to fire by then.
+    The timer itself is asked (reading it is cheap; setting it is what costs), so code that
+    used the same timer meanwhile (`signal.alarm` in a library) cannot leave it unarmed."""
+    left = signal.getitimer(signal.ITIMER_REAL)[0]
+    if left == 0.0 or now + left > deadline:
+        signal.setitimer(signal.ITIMER_REAL, max(deadline - now, 1e-6))
 
 
 @contextlib.contextmanager
 def keep_alarm_handler() -> Iterator[None]:
     """Make the time limits of a block of many limited calls cheap, for processes that do
     nothing else, like a verifier worker: the SIGALRM handler stays installed, and the timer is
-    not disarmed after each call but left to run. Each call records its deadline; when the
-    timer fires, the handler times out the call running then if its deadline has passed, and
-    otherwise re-arms the timer for that deadline (or, between calls, leaves it off). So a
-    stream of calls that end in time costs about one timer signal per time limit instead of
-    two system calls and two handler swaps per call. Nested, the outer block's setting stays;
-    outside the main thread it does nothing (no limit applies there)."""
-    global _alarm_kept, _deadline, _timer_at
+    not disarmed after each call but left to run. Each call records its deadline and arms the
+    timer only if it would not go off by then; when the timer goes off, the handler times out
+    the call running then if its deadline has passed, and otherwise re-arms the timer for that
+    deadline (or, between calls, leaves it off). So a stream of calls that end in time costs
+    about one timer signal per time limit instead of two timer settings and two handler swaps
+    per call. The signal can thus arrive during a call that is within its limit (the handler
+    re-arms and returns): Python retries the interrupted system call, as it does for any
+    signal. Nested, the outer block's setting stays; outside the main thread it does nothing
+    (no limit applies there)."""
+    global _alarm_kept, _deadline
     if threading.current_thread() is not threading.main_thread() or _alarm_kept:
         yield
         return
@@ -156,7 +163,7 @@ def keep_alarm_handler() -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         _alarm_kept = False
-        _deadline = _timer_at = 0.0
+        _deadline = 0.0
         signal.signal(signal.SIGALRM, previous)
 
 
@@ -168,27 +175,23 @@ def call_with_time_limit(fn: Callable[[], Any], seconds: float) -> Any:
     and the caller must bound it (the router does, by process). The handler is installed for
     the call and the previous one restored, unless `keep_alarm_handler()` keeps it.
     """
-    global _deadline, _timer_at
+    global _deadline
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         return fn()
     if _alarm_kept:
         outer = _deadline
-        now = time.monotonic()
-        deadline = now + seconds
-        if outer and outer < deadline:
-            deadline = outer  # a call inside a limited call keeps the outer limit too
-        _deadline = deadline
-        if _timer_at == 0.0 or _timer_at > deadline:
-            signal.setitimer(signal.ITIMER_REAL, max(deadline - now, 1e-6))
-            _timer_at = deadline
         try:
+            now = time.monotonic()
+            deadline = now + seconds
+            if outer and outer < deadline:
+                deadline = outer  # a call inside a limited call keeps the outer limit too
+            _deadline = deadline
+            _arm_by(deadline, now)
             return fn()
         finally:
             _deadline = outer
-            if outer and (_timer_at == 0.0 or _timer_at > outer):
-                # This call timed out (the timer went off) inside a limited call: re-arm for it.
-                signal.setitimer(signal.ITIMER_REAL, max(outer - time.monotonic(), 1e-6))
-                _timer_at = outer
+            if outer:  # back in the outer call: its timer may have gone off for this one
+                _arm_by(outer, time.monotonic())
 
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)

@@ -369,8 +369,9 @@ def _json_number(value: Any) -> str:
 
 
 _COMPONENTS_TEXT: dict[tuple, str] = {}
-"""Rendered components by their items: verifiers repeat a few combinations ({accuracy: 1.0,
-format: 1.0}, ...). Values equal as numbers share a text, so -0.0 may come out as 0.0."""
+"""Rendered components (all keys str) by their items: verifiers repeat a few combinations
+({accuracy: 1.0, format: 1.0}, ...). Values equal as numbers share a text, so -0.0 may come
+out as 0.0."""
 
 
 def render_fields(score: float, components: dict[str, Any], extracted: Any) -> str:
@@ -379,12 +380,17 @@ def render_fields(score: float, components: dict[str, Any], extracted: Any) -> s
     values as floats, `extracted` as str). Written by the verifier workers, so the server's
     event loop only joins the texts."""
     try:
-        key = tuple(components.items())
+        key: tuple | None = tuple(components.items())
+        # Only texts of all-str keys are stored, and no tuple with a key of another type
+        # equals one of those: 1 and True (equal keys, different names) never share a text.
         parts = _COMPONENTS_TEXT.get(key)
     except TypeError:  # an unhashable value
         key, parts = None, None
     if parts is None:
-        parts = ",".join([_json_string(str(k)) + ":" + _json_number(v) for k, v in components.items()])
+        if not all(type(k) is str for k in components):
+            key = None  # named as the result tuple names them (1 and "1" are one key, the last wins)
+            components = {str(k): v for k, v in components.items()}
+        parts = ",".join([_json_string(k) + ":" + _json_number(v) for k, v in components.items()])
         if key is not None:
             if len(_COMPONENTS_TEXT) >= 1024:
                 _COMPONENTS_TEXT.clear()
