@@ -111,7 +111,7 @@ def _score_chunk(
     """Runs in a worker process: several responses, each under its own time limit; returns
     their results and the seconds the chunk took."""
     start = time.perf_counter()
-    with keep_alarm_handler():  # one handler for the chunk; each response just arms the timer
+    with keep_alarm_handler():  # one handler for the chunk; the timer is armed only when needed
         results = [_score_one(sample, text, context, time_limit_s) for sample, text, context in items]
     return results, time.perf_counter() - start
 

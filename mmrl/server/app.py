@@ -97,7 +97,7 @@ def _worker_main(
     _freeze_heap()
     outbox.send_bytes(pickle.dumps(("ready", os.getpid())))
     checked: OrderedDict = OrderedDict()
-    with keep_alarm_handler():  # this process only scores: each limited call just arms a timer
+    with keep_alarm_handler():  # this process only scores: the timer is armed only when needed
         while True:
             try:
                 data = inbox.recv_bytes()
@@ -203,13 +203,7 @@ class Job:
 
     def set(self, index: int, result: WireResult) -> bool:
         """Record one result; False if the job already had one (or timed out)."""
-        if self.done or self.results[index] is not None:
-            return False
-        self.results[index] = result
-        self.remaining -= 1
-        if self.remaining == 0:
-            self.finish()
-        return True
+        return self.results[index] is None and self.fill(index, [result])
 
     def fill(self, start: int, results: list[WireResult]) -> bool:
         """Record the results of items `start, start + 1, ...`, none of which has one yet

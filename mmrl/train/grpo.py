@@ -570,8 +570,8 @@ class StepInputs:
             scores=torch.zeros(n),
             dropped=torch.zeros(n, dtype=torch.bool),
             advantages=torch.zeros(n),
-            old=old.clone(),
-            ref=None if ref is None else ref.clone(),
+            old=old,  # fresh from the old/ref pass: masked in place, row by row
+            ref=ref,
             weights=torch.zeros_like(old, dtype=torch.float32) if tis else None,
         )
 

@@ -100,11 +100,10 @@ def update_policy(
     params = [p for g in optimizer.param_groups for p in g["params"]]
 
     def forward(sub: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs, entropy = response_logprobs(
+        return response_logprobs(
             model, sub, policy.blocked, cfg.rollout.temperature,
             with_entropy=True, entropy_grad=a.entropy_coef > 0,
         )  # fmt: skip
-        return logprobs, entropy
 
     for epoch in range(cfg.trainer.ppo_epochs):
         # The first pass keeps row order so its first mini-batch matches the old log-prob pass.
