@@ -6,6 +6,8 @@ recomputed ones: logits with blocked tokens set to -inf, divided by the sampling
 
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullcontext
+
 import torch
 
 
@@ -38,3 +40,157 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
     return -(p * logp.nan_to_num(neginf=0.0)).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The LM head and log-softmax in chunks: the full [N, R, V] logits tensor never exists.
+#
+# With a real vocabulary (151,936 for Qwen-VL) float32 logits are 0.6 MB per token, so 64
+# responses of 1,024 tokens would need 40 GB before the softmax's own copies. The trainer only
+# needs, per response token, log p(token) and (for metrics or a bonus) the entropy. So the head
+# runs over a chunk of positions at a time; the backward recomputes each chunk's logits instead
+# of keeping them (as fused linear-cross-entropy kernels do), so memory is bounded by one chunk.
+# ---------------------------------------------------------------------------------------------
+
+
+DEFAULT_CHUNK_BYTES = 128 * 2**20
+"""Float32 logits of one chunk of positions (the backward holds a few such tensors)."""
+
+
+def chunk_positions(vocab: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Positions per chunk so that one chunk's float32 logits take at most `chunk_bytes`."""
+    return max(1, chunk_bytes // (4 * vocab))
+
+
+@torch.no_grad()
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Raw float32 logits [T, V] of hidden [T, H]: the matmul in `weight`'s dtype (the compute
+    dtype, as the model's own LM head runs it), then float32."""
+    return torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
+
+
+def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+class _ChunkedHeadLogprobs(torch.autograd.Function):
+    """log p(target) [T] and entropy [T] of softmax(mask(head(hidden)) / temperature), chunked.
+
+    Forward keeps only the inputs; backward recomputes each chunk's logits and returns the exact
+    gradients of `logprobs` and `entropy` with respect to `hidden` and the head's weight/bias.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, blocked, temperature, softcap, chunk, compute_dtype):
+        T = hidden.shape[0]
+        logp = torch.empty(T, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty(T, dtype=torch.float32, device=hidden.device)
+        w, b = _cast(weight, compute_dtype), _cast(bias, compute_dtype)
+        for start in range(0, T, chunk):
+            end = min(start + chunk, T)
+            s = masked_logits(
+                _softcapped(_head_logits(hidden[start:end], w, b), softcap), blocked, temperature
+            )
+            log_p = torch.log_softmax(s, dim=-1)
+            logp[start:end] = log_p.gather(-1, targets[start:end, None]).squeeze(-1)
+            ent[start:end] = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, blocked, ent)
+        ctx.temperature, ctx.softcap, ctx.chunk, ctx.compute_dtype = (
+            temperature,
+            softcap,
+            chunk,
+            compute_dtype,
+        )
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, bias, targets, blocked, ent = ctx.saved_tensors
+        temperature, softcap, chunk = ctx.temperature, ctx.softcap, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w, b = _cast(weight, ctx.compute_dtype), _cast(bias, ctx.compute_dtype)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        # Head gradients accumulate over chunks in float32 (a bf16 running sum would round).
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(ent)
+        if grad_ent is None:
+            grad_ent = torch.zeros_like(ent)
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            h = hidden[start:end]
+            capped = _softcapped(_head_logits(h, w, b), softcap)
+            s = masked_logits(capped, blocked, temperature)
+            log_p = torch.log_softmax(s, dim=-1)
+            p = log_p.exp()
+            # d log p_y / d s_j = 1[j = y] - p_j;  d H / d s_j = -p_j (log p_j + H)
+            g = p * (-grad_logp[start:end, None])
+            g.scatter_add_(-1, targets[start:end, None], grad_logp[start:end, None])
+            g -= grad_ent[start:end, None] * p * (log_p.nan_to_num(neginf=0.0) + ent[start:end, None])
+            g /= temperature  # s = capped / T (blocked entries have p = 0, hence g = 0)
+            if softcap is not None:
+                g *= 1.0 - (capped / softcap) ** 2
+            if need_h:
+                grad_h[start:end] = (g.to(w.dtype) @ w).to(hidden.dtype)
+            if need_w:
+                grad_w += g.t() @ h.to(torch.float32)
+            if need_b:
+                grad_b += g.sum(0)
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    blocked: torch.Tensor | None,
+    temperature: float,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of `targets` under the LM head applied to `hidden`, in chunks.
+
+    Args:
+        hidden: [T, H] final hidden states of the positions that predict `targets`.
+        weight: [V, H] the LM head (bias [V] optional); its dtype is the matmul's, as in the model.
+        targets: [T] token ids.
+        blocked: [V] bool ids removed from the distribution (as `masked_logits`), or None.
+        temperature: > 0, the distribution is softmax(logits / temperature).
+        softcap: Gemma-style final-logit soft-capping (`cap * tanh(logits / cap)`), or None.
+        chunk: positions per chunk; default `chunk_positions(V)`.
+
+    Returns:
+        (log-probs [T], entropy [T]), float32, differentiable in `hidden`, `weight` and `bias`.
+        Peak memory is a few [chunk, V] float32 tensors, forward and backward.
+    """
+    V = weight.shape[0]
+    if blocked is None:
+        blocked = torch.zeros(V, dtype=torch.bool, device=weight.device)
+    blocked = blocked[:V].to(weight.device)
+    chunk = chunk or chunk_positions(V)
+    # Under autocast the model's own head would multiply in the autocast dtype: so do we, with
+    # autocast itself off inside (the backward then recomputes exactly what the forward saw).
+    device_type = weight.device.type
+    compute_dtype = weight.dtype
+    if device_type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    with torch.autocast(device_type, enabled=False) if device_type != "meta" else _nullcontext():
+        return _ChunkedHeadLogprobs.apply(
+            hidden, weight, bias, targets, blocked, float(temperature), softcap, chunk, compute_dtype
+        )

@@ -16,7 +16,7 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
-from mmrl.algos.logprobs import entropy_from_logits, masked_logits, token_logprobs
+from mmrl.algos.logprobs import head_logprobs
 from mmrl.train.batching import model_inputs, prompt_groups, select_rows
 from mmrl.types import RolloutBatch
 
@@ -29,32 +29,47 @@ def response_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     share_prompts: bool = True,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [N, R] of the response tokens, and their entropy [N, R] if asked
+    """Log-probs [N, R] (float32) of the response tokens, and their entropy [N, R] if asked
     (differentiable only with `entropy_grad`, for an entropy bonus).
 
-    Only the positions that predict response tokens go through the LM head: the prompt's
-    logits are never needed. With `share_prompts`, rows with the same prompt share one prompt
-    pass (see the module docs). Masked positions hold 0.
+    The model runs up to its final hidden states; the LM head and the log-softmax then run over
+    the response tokens only (never the prompt, never padding), a chunk of positions at a time,
+    forward and backward (`mmrl.algos.logprobs.head_logprobs`): the [N, R, V] logits tensor
+    never exists, so memory does not grow with vocabulary x length. With `share_prompts`, rows
+    with the same prompt share one prompt pass (see the module docs). Masked positions hold 0.
     """
-    logits = shared_prompt_logits(model, batch) if share_prompts else None
-    if logits is None:
-        R = batch.response_ids.shape[1]
-        out = model(**model_inputs(batch), logits_to_keep=R + 1, use_cache=False)
-        logits = out.logits[:, :-1]  # position t predicts response token t
-    logits = masked_logits(logits, blocked[: logits.shape[-1]], temperature)
-    mask = batch.response_mask
-    logprobs = token_logprobs(logits, batch.response_ids).masked_fill(mask == 0, 0.0)
+    hidden = shared_prompt_hidden(model, batch) if share_prompts else None
+    if hidden is None:
+        hidden = full_hidden(model, batch)
+    weight, bias, softcap = output_head(model)
+    mask = batch.response_mask.bool()
+    token_logp, token_entropy = head_logprobs(
+        hidden[mask], weight, batch.response_ids[mask], blocked, temperature,
+        bias=bias, softcap=softcap, chunk=chunk,
+    )  # fmt: skip
+    logprobs = token_logp.new_zeros(mask.shape).masked_scatter(mask, token_logp)
     entropy = None
     if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits).masked_fill(mask == 0, 0.0)
+        if not (entropy_grad and torch.is_grad_enabled()):
+            token_entropy = token_entropy.detach()
+        entropy = token_entropy.new_zeros(mask.shape).masked_scatter(mask, token_entropy)
     return logprobs, entropy
 
 
-def shared_prompt_logits(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor | None:
-    """Raw logits [N, R, V] predicting each response token, computing every distinct prompt once;
-    None when no two rows share a prompt or the model's positions cannot be laid out here.
+def full_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+    """Final hidden states [N, R, H] of the positions that predict each response token (position
+    t predicts response token t), from one forward over prompt + response."""
+    P, R = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    out = decoder(model)(**model_inputs(batch), use_cache=False)
+    return out.last_hidden_state[:, P - 1 : P + R - 1]
+
+
+def shared_prompt_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor | None:
+    """Final hidden states [N, R, H] predicting each response token, computing every distinct
+    prompt once; None when no two rows share a prompt or the model's positions cannot be laid
+    out here (or gradient checkpointing, which drops the cache, is on while training).
 
     1. a prompt pass over the distinct prompts (with their images) at the positions the model's
        own full forward gives them, keeping the cache; its last position predicts the first
@@ -64,31 +79,57 @@ def shared_prompt_logits(model: PreTrainedModel, batch: RolloutBatch) -> torch.T
        positions continue the prompt's last one by 1 per token, as in the full forward (and in
        the rollout engine, `mmrl.rollout.hf`).
     """
-    if not shares_prompts(model):
+    if not shares_prompts(model) or (model.training and gradient_checkpointing(model)):
         return None
     groups = prompt_groups(batch)
     if groups is None:
         return None
     first, inverse = groups
     R = batch.response_ids.shape[1]
+    core = decoder(model)
     prompts = select_rows(batch, first)
     inputs = {"input_ids": prompts.prompt_ids, "attention_mask": prompts.prompt_mask, **prompts.vision_inputs}
     positions = position_ids(model, inputs)  # [3, U, P]
-    out = model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1)
-    head = out.logits[:, -1:][inverse]  # [N, 1, V]: predicts response token 0
+    out = core(**inputs, position_ids=positions, use_cache=True)
+    head = out.last_hidden_state[:, -1:][inverse]  # [N, 1, H]: predicts response token 0
     if R == 1:
         return head
     cache = output_cache(out)
     cache.reorder_cache(inverse)  # index_select over rows: the prompt's gradient sums over its group
     steps = torch.arange(1, R, device=positions.device)
-    out = model(
+    out = core(
         input_ids=batch.response_ids[:, :-1],
         attention_mask=torch.cat([batch.prompt_mask, batch.response_mask[:, :-1]], dim=1),
         position_ids=positions[..., -1:][:, inverse] + steps,  # [3, N, R-1]
         use_cache=True,
-        **{cache_argument(model): cache},
+        **{cache_argument(core): cache},
     )
-    return torch.cat([head, out.logits], dim=1)
+    return torch.cat([head, out.last_hidden_state], dim=1)
+
+
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The model without its LM head (`XForConditionalGeneration.model`: vision tower,
+    connector and language model), returning `last_hidden_state`; LoRA layers included."""
+    core = getattr(_base(model), "model", None)
+    if core is None:
+        raise TypeError(
+            f"{type(_base(model)).__name__} has no `.model` (the decoder under the LM head); mmrl needs "
+            "the Hugging Face `...ForConditionalGeneration` layout"
+        )
+    return core
+
+
+def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+    """The LM head as (weight [V, H], bias [V] or None, final-logit soft-cap or None)."""
+    head = _base(model).get_output_embeddings()
+    text_config = _base(model).config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    return head.weight, getattr(head, "bias", None), softcap
+
+
+def gradient_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether the model recomputes activations in the backward (it then drops caches)."""
+    return bool(getattr(_base(model), "is_gradient_checkpointing", False))
 
 
 def position_ids(model: PreTrainedModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
