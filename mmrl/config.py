@@ -18,8 +18,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from mmrl.models.precision import DTYPES
 from mmrl.models.tiny import TinyVLMSpec
 from mmrl.rewards.config import ModelRewardsConfig
+
+DTYPE_NAMES = ("auto", *DTYPES)
 
 
 @dataclass
@@ -54,7 +57,27 @@ class ModelConfig:
     """The policy."""
 
     path: str | None = None
-    """Local Hugging Face VLM folder (model + processor). None: the built-in tiny base."""
+    """A Hugging Face VLM (model + processor): a local folder, or a hub id such as
+    `Qwen/Qwen2.5-VL-3B-Instruct` (downloaded into the standard cache unless HF_HUB_OFFLINE=1).
+    None: the built-in tiny base."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a hub id; None: the default branch."""
+    dtype: str = "auto"
+    """Compute dtype: activations, autocast matmuls, and weights that never train (frozen parts,
+    the LoRA base, the KL reference). `auto`: bfloat16 on a GPU, float32 on the CPU; or
+    float32, bfloat16, float16."""
+    master_dtype: str = "auto"
+    """Dtype of the weights that train and of the optimizer state. `auto`: float32 (mixed
+    precision: autocast to `dtype`); set it equal to `dtype` to train the weights in bfloat16
+    themselves (half the memory, updates rounded)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward (language model and vision tower) instead of
+    keeping them: much less activation memory for ~30% more compute. The prompt-sharing
+    forward is then off (checkpointing drops the key/value cache it relies on)."""
+    reference_on_cpu: bool = False
+    """Keep the frozen KL reference in host memory and move it to the device only for its
+    log-prob pass (one weight copy less on the accelerator, a host-device copy per step). With
+    LoRA the reference is the base model with adapters off and costs nothing either way."""
     tiny: TinyVLMSpec = field(default_factory=TinyVLMSpec)
     """Shape of the built-in tiny model."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -269,6 +292,13 @@ class TrainerConfig:
     """Run directory; default `runs/<task>-<timestamp>`."""
     threads: int = 0
     """torch CPU threads; 0: leave torch's default."""
+    device: str = "auto"
+    """Where the policy, reference and rollout engine run: `auto` (the local accelerator --
+    under torchrun the local rank's GPU, under Ray the actor's own -- else the CPU), or a torch
+    device string (`cuda:1`, `cpu`)."""
+    logits_chunk_mb: int = 128
+    """The log-prob pass runs the LM head over chunks of positions whose float32 logits take at
+    most this many MB (forward and backward), so memory does not grow with vocabulary x length."""
     save_final: bool = True
     """Save the final policy in Hugging Face format under `<run_dir>/final`."""
     checkpoint_every: int = 0
@@ -381,6 +411,12 @@ class Config:
                 "algo.overlong_buffer must be < rollout.max_new_tokens",
             ),
             (self.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
+            (self.model.dtype in DTYPE_NAMES, f"model.dtype must be one of {', '.join(DTYPE_NAMES)}"),
+            (
+                self.model.master_dtype in DTYPE_NAMES,
+                f"model.master_dtype must be one of {', '.join(DTYPE_NAMES)}",
+            ),
+            (self.trainer.logits_chunk_mb > 0, "trainer.logits_chunk_mb must be > 0"),
             (
                 not self.trainer.resume or bool(self.trainer.run_dir),
                 "trainer.resume needs trainer.run_dir (the run to continue)",

@@ -41,6 +41,7 @@ from mmrl.algos.losses import loss_denominator
 from mmrl.config import Config
 from mmrl.models.adapters import freeze_parts, param_groups
 from mmrl.models.loading import Policy, load_policy
+from mmrl.models.precision import Precision
 from mmrl.train.batching import select_rows
 from mmrl.train.update import old_and_ref_logprobs, row_chunks, update_policy
 from mmrl.types import RolloutBatch
@@ -95,23 +96,29 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class ShareOfGlobalLoss(torch.nn.Module):
-    """The policy as `update_policy` sees it in a group: each gradient-enabled forward scales the
-    gradient of its logits by the next planned share (`loss_shares`)."""
+    """The policy as `update_policy` sees it in a group: each gradient-enabled log-prob pass
+    (`mmrl.train.forward.response_logprobs`) scales the gradient of its outputs by the next
+    planned share (`loss_shares`)."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__()
         self.module = module
         self.shares: deque[float] = deque()
 
-    def forward(self, **inputs):
-        out = self.module(**inputs)
+    def run_as_forward(self, fn):
+        """`fn` as the sharded model's forward (see `call_as_forward`), its log-probs and
+        entropy scaled on the way back."""
+        from mmrl.train.forward import call_as_forward
+
+        out = call_as_forward(self.module, fn)
         if torch.is_grad_enabled():
             if not self.shares:
                 raise RuntimeError(
                     "a gradient pass beyond the planned ones: update_policy's pass order no longer "
                     "matches row_chunks, so the group's loss shares would be wrong"
                 )
-            out.logits = _ScaleGrad.apply(out.logits, self.shares.popleft())
+            share = self.shares.popleft()
+            out = tuple(_ScaleGrad.apply(x, share) for x in out)
         return out
 
 
@@ -194,8 +201,9 @@ class GroupLearner:
         if cfg.algo.kl_coef > 0:
             reference = shard(copy.deepcopy(model).eval().requires_grad_(False), mesh)
         self.model = shard(model, mesh)
+        self.precision = Precision(self.device, dtype, dtype)
         self.policy = Policy(self.model, policy.processor, policy.blocked.to(self.device),
-                             policy.stop_token_ids, policy.pad_token_id)  # fmt: skip
+                             policy.stop_token_ids, policy.pad_token_id, self.precision)  # fmt: skip
         self.reference = reference
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
@@ -245,7 +253,7 @@ class GroupLearner:
         self._wrapped.shares = deque(shares)
         local = batch_to(select_rows(batch, rows), dev)
         policy = Policy(self._wrapped, self.policy.processor, self.policy.blocked,
-                        self.policy.stop_token_ids, self.policy.pad_token_id)  # fmt: skip
+                        self.policy.stop_token_ids, self.policy.pad_token_id, self.precision)  # fmt: skip
         metrics = update_policy(
             self.cfg, policy, self.optimizer, local, mine(advantages), mine(old_logprobs),
             mine(ref_logprobs), mine(weights),

@@ -1,12 +1,24 @@
-"""Loading a policy (model + processor) from a local folder, and the tokens it may not sample."""
+"""Loading a policy (model + processor) from a local folder or a hub id, and the tokens it may
+not sample.
+
+Models load exactly as transformers loads them (`from_pretrained`): a local folder saved with
+`save_pretrained`, or a hub id (`Qwen/Qwen2.5-VL-3B-Instruct`) fetched into the standard cache
+(`HF_HOME` / `HF_HUB_CACHE`) at an optional revision. `HF_HUB_OFFLINE=1` is honoured: then only
+the cache is read, and an id that is not cached fails with a message saying so.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
+
+from mmrl.models.precision import Precision, model_device
 
 
 @dataclass
@@ -20,21 +32,87 @@ class Policy:
     stop_token_ids: list[int]
     """Ids that end a response."""
     pad_token_id: int
+    precision: Precision = field(
+        default_factory=lambda: Precision(torch.device("cpu"), torch.float32, torch.float32)
+    )
+    """Device, compute dtype and master-weight dtype (`mmrl.models.precision`)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.precision.device
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context every forward of this policy runs in (autocast under mixed precision)."""
+        return self.precision.context()
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> Policy:
-    """Any local Hugging Face VLM folder with a processor and chat template (Auto classes)."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(
-            f"{path}: not a Hugging Face model folder (no config.json). Pass a local folder saved "
-            "with save_pretrained (model + processor); mmrl never downloads from a hub."
-        )
-    processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+"""A hub repository id: `name` or `org/name` (what is not a folder and not this is a typo'd path)."""
+
+
+class ModelNotFoundError(OSError):
+    """A model path that is neither a local model folder nor a hub id that can be loaded."""
+
+
+def load_policy(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    revision: str | None = None,
+    device: torch.device | str | None = None,
+) -> Policy:
+    """Any Hugging Face VLM with a processor and chat template (Auto classes), from a local
+    folder or a hub id, in `dtype`, on `device` (default: where transformers puts it, the CPU)."""
+    source = str(path)
+    local = Path(source).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise ModelNotFoundError(
+                f"{local}: not a Hugging Face model folder (no config.json); pass a folder saved with "
+                "save_pretrained (model + processor), or a hub id"
+            )
+        source = str(local)
+    elif not HUB_ID.fullmatch(source):
+        raise ModelNotFoundError(f"model {source!r}: no such local folder (and not a hub id like 'org/name')")
+    with hub_errors(source, revision):
+        processor = AutoProcessor.from_pretrained(source, revision=revision)
+        model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype, revision=revision)
     if getattr(processor, "chat_template", None) is None and processor.tokenizer.chat_template is None:
-        raise ValueError(f"{path}: the processor has no chat template")
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True)
+        raise ValueError(f"{source}: the processor has no chat template")
+    if device is not None:
+        model.to(device)
     return make_policy(model, processor)
+
+
+def hub_offline() -> bool:
+    """Whether huggingface_hub is told not to reach the hub (`HF_HUB_OFFLINE`)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@contextlib.contextmanager
+def hub_errors(source: str, revision: str | None = None):
+    """Turn a loader's `OSError` for a model that is neither a local folder nor loadable from
+    the hub into one message naming the id, the revision, and why (offline, not cached)."""
+    try:
+        yield
+    except OSError as exc:
+        if Path(source).expanduser().exists():
+            raise
+        at = f" at revision {revision!r}" if revision else ""
+        if hub_offline():
+            why = (
+                f"the hub is unreachable: HF_HUB_OFFLINE=1 is set and {source!r}{at} is not in the local "
+                f"cache ({hub_cache_dir()}). Download it where there is a network "
+                f"(`hf download {source}`), or pass a local folder"
+            )
+        else:
+            why = f"it could not be loaded from the hub{at}: {exc}"
+        raise ModelNotFoundError(f"model {source!r}: no local folder of that name, and {why}") from exc
+
+
+def hub_cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
 
 
 def make_policy(model: PreTrainedModel, processor: ProcessorMixin) -> Policy:
@@ -48,9 +126,11 @@ def make_policy(model: PreTrainedModel, processor: ProcessorMixin) -> Policy:
         raise ValueError("the model has no eos token: set generation_config.eos_token_id")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop)
     vocab = model.get_output_embeddings().weight.shape[0]
-    blocked = torch.zeros(vocab, dtype=torch.bool)
+    blocked = torch.zeros(vocab, dtype=torch.bool, device=model.get_output_embeddings().weight.device)
     blocked[len(tokenizer) :] = True  # padded rows of the embedding matrix
     for tid in tokenizer.all_special_ids:
         if tid not in stop and tid < vocab:
             blocked[tid] = True
-    return Policy(model, processor, blocked, sorted(stop), pad)
+    dtype = next(model.parameters()).dtype
+    precision = Precision(model_device(model), dtype, dtype)
+    return Policy(model, processor, blocked, sorted(stop), pad, precision)

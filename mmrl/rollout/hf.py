@@ -13,6 +13,7 @@ models, and single-response calls (greedy evaluation), go through Hugging Face `
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -49,8 +50,48 @@ class _BlockTokens(LogitsProcessor):
         return scores.masked_fill(self.blocked[: scores.shape[-1]], float("-inf"))
 
 
+class _RecordLogprobs(LogitsProcessor):
+    """Records log p(sampled token) under the tempered, blocked softmax of the raw logits, one
+    step behind: each call sees, as the last input id, the token sampled from the previous
+    call's scores. Only one step's [N, V] log-softmax is alive at a time (`output_logits` would
+    keep every step's: [N, R, V])."""
+
+    def __init__(self, blocked: torch.Tensor, temperature: float):
+        self.blocked = blocked
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.take(input_ids[:, -1])
+        logits = masked_logits(scores, self.blocked[: scores.shape[-1]], self.temperature)
+        self.previous = torch.log_softmax(logits, dim=-1)
+        return scores
+
+    def take(self, tokens: torch.Tensor) -> None:
+        """Record the log-prob of `tokens` [N] under the last scores seen (if any)."""
+        if self.previous is not None:
+            self.logprobs.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
+            self.previous = None
+
+
+# Checkpoints ship sampling defaults (Qwen2.5-VL-Instruct: top_k=1, top_p=0.001,
+# repetition_penalty=1.05) that `generate` would apply; the rollout must sample from the plain
+# tempered softmax whose log-probs it records, so each of these is explicitly switched off.
+_SAMPLING_SHAPERS = (
+    "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+    "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "sequence_bias", "suppress_tokens",
+    "begin_suppress_tokens", "min_length", "min_new_tokens", "exponential_decay_length_penalty",
+    "forced_bos_token_id", "forced_eos_token_id", "renormalize_logits", "watermarking_config",
+)  # fmt: skip
+
+
 class HFRolloutEngine:
-    """Generates G responses per prompt with `model.generate`, recording per-token log-probs."""
+    """Generates G responses per prompt with `model.generate`, recording per-token log-probs.
+
+    Runs on the policy's device, in its precision (`Policy.autocast`); returns batches on that
+    device."""
 
     def __init__(
         self,
@@ -60,6 +101,7 @@ class HFRolloutEngine:
         stop_token_ids: list[int],
         pad_token_id: int,
         max_batch_rows: int = 256,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         self.model = model
         self.processor = processor
@@ -67,6 +109,7 @@ class HFRolloutEngine:
         self.stop_token_ids = stop_token_ids
         self.pad_token_id = pad_token_id
         self.max_batch_rows = max_batch_rows
+        self.autocast = autocast
 
     @classmethod
     def from_policy(cls, policy: Policy, max_batch_rows: int = 256) -> HFRolloutEngine:
@@ -77,7 +120,12 @@ class HFRolloutEngine:
             policy.stop_token_ids,
             policy.pad_token_id,
             max_batch_rows=max_batch_rows,
+            autocast=policy.autocast,
         )
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocked.device
 
     # The engine shares the trainer's module: nothing to sync, nothing to offload.
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -120,10 +168,11 @@ class HFRolloutEngine:
                     lambda i, t, o=start * per_unit: on_response(o + i, t),
                 )
             part = units[start : start + step]
-            if shared:
-                chunks.append(self._sample_shared(part, params, streamer))
-            else:
-                chunks.append(self._generate_rows(part, params, streamer))
+            with self.autocast():
+                if shared:
+                    chunks.append(self._sample_shared(part, params, streamer))
+                else:
+                    chunks.append(self._generate_rows(part, params, streamer))
         batch = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks, self.pad_token_id)
         batch.group_size = params.n
         return batch
@@ -131,7 +180,9 @@ class HFRolloutEngine:
     def _generate_rows(
         self, rows: list[Sample], params: SamplingParams, streamer: BaseStreamer | None = None
     ) -> RolloutBatch:
-        inputs = encode_prompts(self.processor, rows)
+        inputs = encode_prompts(self.processor, rows, self.device)
+        record = _RecordLogprobs(self.blocked, params.temperature)
+        processors = [_BlockTokens(self.blocked)] + ([] if params.greedy else [record])
         was_training = self.model.training
         self.model.eval()
         try:
@@ -139,15 +190,11 @@ class HFRolloutEngine:
                 **inputs,
                 do_sample=not params.greedy,
                 temperature=params.temperature if not params.greedy else None,
-                # None overrides a checkpoint's own sampling defaults (Qwen2.5-VL-Instruct ships
-                # top_k=1, top_p=0.001): the log-probs must be of the plain tempered softmax.
-                top_p=None,
-                top_k=None,
+                **dict.fromkeys(_SAMPLING_SHAPERS),  # see _SAMPLING_SHAPERS
                 max_new_tokens=params.max_new_tokens,
-                logits_processor=LogitsProcessorList([_BlockTokens(self.blocked)]),
+                logits_processor=LogitsProcessorList(processors),
                 eos_token_id=self.stop_token_ids,
                 pad_token_id=self.pad_token_id,
-                output_logits=not params.greedy,
                 return_dict_in_generate=True,
                 streamer=streamer,
             )
@@ -156,13 +203,12 @@ class HFRolloutEngine:
         prompt_len = inputs["input_ids"].shape[1]
         response = out.sequences[:, prompt_len:]
         response_mask, truncated = response_mask_from_stops(response, self.stop_token_ids)
-        response = response.masked_fill(response_mask == 0, self.pad_token_id)
         if params.greedy:
-            logprobs = torch.zeros(response.shape, dtype=torch.float32)
+            logprobs = torch.zeros(response.shape, dtype=torch.float32, device=response.device)
         else:
-            logits = torch.stack(out.logits, dim=1)  # [N, R, V] raw logits of each step
-            logits = masked_logits(logits, self.blocked[: logits.shape[-1]], params.temperature)
-            logprobs = token_logprobs(logits, response).masked_fill(response_mask == 0, 0.0)
+            record.take(response[:, -1])  # the last sampled token
+            logprobs = torch.stack(record.logprobs, dim=1).masked_fill(response_mask == 0, 0.0)
+        response = response.masked_fill(response_mask == 0, self.pad_token_id)
         texts = self.processor.batch_decode(
             response.masked_fill(response_mask == 0, self.pad_token_id), skip_special_tokens=True
         )
@@ -192,7 +238,7 @@ class HFRolloutEngine:
         from mmrl.train.forward import cache_argument, output_cache, position_ids
 
         G, model = params.n, self.model
-        inputs = encode_prompts(self.processor, samples)
+        inputs = encode_prompts(self.processor, samples, self.device)
         prompts = prompt_batch(samples, inputs)
         rows = [i for i in range(len(samples)) for _ in range(G)]
         index = torch.tensor(rows, dtype=torch.long, device=inputs["input_ids"].device)
@@ -250,7 +296,7 @@ class HFRolloutEngine:
         batch.response_mask = response_mask
         batch.truncated = truncated
         if params.greedy:
-            batch.rollout_logprobs = torch.zeros(response.shape, dtype=torch.float32)
+            batch.rollout_logprobs = torch.zeros(response.shape, dtype=torch.float32, device=response.device)
         else:
             batch.rollout_logprobs = torch.stack(logprobs, dim=1).masked_fill(response_mask == 0, 0.0)
         batch.texts = self.processor.batch_decode(batch.response_ids, skip_special_tokens=True)
@@ -294,15 +340,20 @@ class _FinishedRows(BaseStreamer):
         self.on_finished(i, self.tokenizer.decode(self.tokens[i], skip_special_tokens=True))
 
 
-def encode_prompts(processor: ProcessorMixin, rows: list[Sample]) -> dict[str, torch.Tensor]:
-    """Chat template + images through the processor, left padded."""
+def encode_prompts(
+    processor: ProcessorMixin, rows: list[Sample], device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Chat template + images through the processor, left padded; on `device` if given."""
     texts = [
         processor.apply_chat_template(s.chat_messages(), add_generation_prompt=True, tokenize=False)
         for s in rows
     ]
     images = [im for s in rows for im in s.pil_images()]
     processor.tokenizer.padding_side = "left"
-    return dict(processor(text=texts, images=images or None, padding=True, return_tensors="pt"))
+    inputs = dict(processor(text=texts, images=images or None, padding=True, return_tensors="pt"))
+    if device is not None and device.type != "cpu":
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+    return inputs
 
 
 def prompt_batch(samples: Sequence[Sample], inputs: Mapping[str, torch.Tensor]) -> RolloutBatch:
@@ -314,10 +365,10 @@ def prompt_batch(samples: Sequence[Sample], inputs: Mapping[str, torch.Tensor]) 
         prompt_mask=inputs["attention_mask"],
         response_ids=inputs["input_ids"][:, :0],
         response_mask=inputs["attention_mask"][:, :0],
-        rollout_logprobs=torch.zeros(len(samples), 0),
+        rollout_logprobs=torch.zeros(len(samples), 0, device=inputs["input_ids"].device),
         vision_inputs={k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")},
         texts=[""] * len(samples),
-        truncated=torch.zeros(len(samples), dtype=torch.bool),
+        truncated=torch.zeros(len(samples), dtype=torch.bool, device=inputs["input_ids"].device),
         images_per_row=[len(s.images) for s in samples],
     )
 

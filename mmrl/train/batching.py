@@ -13,14 +13,14 @@ _PER_IMAGE = {"pixel_values": "image_grid_thw"}
 def pad_left(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     if t.shape[1] == width:
         return t
-    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)
+    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
     return torch.cat([pad, t], dim=1)
 
 
 def pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     if t.shape[1] == width:
         return t
-    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype)
+    pad = torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype, device=t.device)
     return torch.cat([t, pad], dim=1)
 
 
@@ -37,7 +37,7 @@ def concat_vision_inputs(parts: list[dict[str, torch.Tensor]], prompt_width: int
 
 def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
     """The sub-batch of the given rows, with exactly those rows' image patches."""
-    index = torch.tensor(rows, dtype=torch.long)
+    index = torch.tensor(rows, dtype=torch.long, device=batch.prompt_ids.device)
     vision: dict[str, torch.Tensor] = {}
     image_starts = [0]
     for n in batch.images_per_row:

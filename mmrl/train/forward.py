@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -40,22 +43,42 @@ def response_logprobs(
     never exists, so memory does not grow with vocabulary x length. With `share_prompts`, rows
     with the same prompt share one prompt pass (see the module docs). Masked positions hold 0.
     """
-    hidden = shared_prompt_hidden(model, batch) if share_prompts else None
-    if hidden is None:
-        hidden = full_hidden(model, batch)
-    weight, bias, softcap = output_head(model)
-    mask = batch.response_mask.bool()
-    token_logp, token_entropy = head_logprobs(
-        hidden[mask], weight, batch.response_ids[mask], blocked, temperature,
-        bias=bias, softcap=softcap, chunk=chunk,
-    )  # fmt: skip
-    logprobs = token_logp.new_zeros(mask.shape).masked_scatter(mask, token_logp)
-    entropy = None
-    if with_entropy:
-        if not (entropy_grad and torch.is_grad_enabled()):
-            token_entropy = token_entropy.detach()
+
+    def compute(root: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = shared_prompt_hidden(root, batch) if share_prompts else None
+        if hidden is None:
+            hidden = full_hidden(root, batch)
+        weight, bias, softcap = output_head(root)
+        mask = batch.response_mask.bool()
+        token_logp, token_entropy = head_logprobs(
+            hidden[mask], weight, batch.response_ids[mask], blocked, temperature,
+            bias=bias, softcap=softcap, chunk=chunk,
+        )  # fmt: skip
+        logprobs = token_logp.new_zeros(mask.shape).masked_scatter(mask, token_logp)
         entropy = token_entropy.new_zeros(mask.shape).masked_scatter(mask, token_entropy)
+        return logprobs, entropy
+
+    logprobs, entropy = call_as_forward(model, compute)
+    if not with_entropy:
+        return logprobs, None
+    if not (entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy.detach()
     return logprobs, entropy
+
+
+def call_as_forward(model: torch.nn.Module, fn: Callable[[torch.nn.Module], Any]) -> Any:
+    """`fn(model)` run as `model`'s forward, through `model(...)`: hooks that wrappers attach to
+    the call (FSDP2 gathers the root's parameters, the LM head among them, in its pre-forward
+    hook and reduces their gradients after the backward) see the whole pass. A wrapper with a
+    `run_as_forward(fn)` method (a training group's loss share) is asked to run it instead."""
+    run = getattr(model, "run_as_forward", None)
+    if run is not None:
+        return run(fn)
+    model.forward = types.MethodType(lambda self: fn(self), model)  # this call only
+    try:
+        return model()
+    finally:
+        del model.forward
 
 
 def full_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:

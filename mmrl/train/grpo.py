@@ -43,6 +43,7 @@ from mmrl.config import Config, config_to_yaml
 from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_for_saving, param_groups
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
+from mmrl.models.precision import Precision, place, precision_from
 from mmrl.rewards.config import build_reward_models
 from mmrl.rewards.placement import RewardPlacement
 from mmrl.rewards.router_bridge import score_model_rewards
@@ -176,8 +177,8 @@ def train(cfg: Config) -> TrainResult:
 
     # 3. Policy (LoRA / frozen parts), reference, rollout engine, router, optimizer; then the
     #    checkpoint to resume from, if any (its weights replace the policy's, not the reference's).
-    model_path = Path(cfg.model.path) if cfg.model.path else builtin_base(cfg)
-    t = compose.make_trainee(cfg, load_policy(model_path), run_dir)
+    model_path = cfg.model.path or builtin_base(cfg)
+    t = compose.make_trainee(cfg, load_policy_for(cfg, model_path), run_dir)
     progress = RunProgress()
     resumed = resume_from(cfg, t, sampler, progress, run_dir)
     t.router.warm_up()
@@ -374,19 +375,50 @@ def check_model_reward_names(cfg: Config, samples: list) -> None:
                 )
 
 
-def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Trainee:
-    """Wire a policy into what a step needs: adapters or frozen parts, reference, engine,
-    router, optimizer (a parameter group per part, each with its learning rate)."""
+def policy_precision(cfg: Config) -> Precision:
+    """The policy's device and dtypes from `trainer.device`, `model.dtype`, `model.master_dtype`."""
+    return precision_from(cfg.trainer.device, cfg.model.dtype, cfg.model.master_dtype)
+
+
+def load_policy_for(cfg: Config, path: str | Path) -> Policy:
+    """The policy at `path` (a folder or hub id at `model.revision`), loaded on the host in the
+    dtype most of it will keep: the compute dtype under LoRA (the base never trains), else the
+    master dtype; `make_trainee` then places it."""
+    precision = policy_precision(cfg)
+    dtype = precision.compute if cfg.model.lora_rank > 0 else precision.master
+    return load_policy(path, dtype=dtype, revision=cfg.model.revision)
+
+
+def prepare_policy(cfg: Config, policy: Policy) -> torch.nn.Module | str | None:
+    """Adapters or frozen parts, the KL reference, then device and dtypes (`mmrl.models.precision`)
+    and gradient checkpointing; returns the reference (see `Trainee.reference`)."""
+    precision = policy_precision(cfg)
     if cfg.model.lora_rank > 0:
         policy.model = apply_lora(policy.model, cfg)
     freeze_parts(policy.model, cfg)
-    policy.model.train()
     reference: torch.nn.Module | str | None = None
     if cfg.algo.kl_coef > 0:
         if is_lora(policy.model):
             reference = "adapters_disabled"
-        else:
-            reference = copy.deepcopy(policy.model).eval().requires_grad_(False)
+        else:  # copied on the host, before the policy is placed: never two copies on the device
+            reference = copy.deepcopy(policy.model).to(dtype=precision.compute).eval().requires_grad_(False)
+            if not cfg.model.reference_on_cpu:
+                reference.to(precision.device)
+    place(policy.model, precision)
+    policy.precision = precision
+    policy.blocked = policy.blocked.to(precision.device)
+    if cfg.model.gradient_checkpointing:
+        policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.model.train()
+    log.info("policy: %s", precision.describe())
+    return reference
+
+
+def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Trainee:
+    """Wire a policy into what a step needs: adapters or frozen parts, reference, device and
+    precision, engine, router, optimizer (a parameter group per part, each with its learning
+    rate)."""
+    reference = prepare_policy(cfg, policy)
     optimizer = torch.optim.AdamW(
         param_groups(policy.model, cfg),
         lr=cfg.optim.lr,
@@ -566,10 +598,11 @@ class StepInputs:
 
     @classmethod
     def empty(cls, n: int, old: torch.Tensor, ref: torch.Tensor | None, tis: bool) -> StepInputs:
+        device = old.device  # the batch's, hence the policy's
         return cls(
-            scores=torch.zeros(n),
-            dropped=torch.zeros(n, dtype=torch.bool),
-            advantages=torch.zeros(n),
+            scores=torch.zeros(n, device=device),
+            dropped=torch.zeros(n, dtype=torch.bool, device=device),
+            advantages=torch.zeros(n, device=device),
             old=old,  # fresh from the old/ref pass: masked in place, row by row
             ref=ref,
             weights=torch.zeros_like(old, dtype=torch.float32) if tis else None,
@@ -581,9 +614,10 @@ class StepInputs:
         a = cfg.algo
         rows = list(rows)
         # b. Reward shaping and loss masks.
-        valid = torch.tensor([r.error is None for r in rewards.results], dtype=torch.bool)
+        device = self.old.device  # rewards come from the verifier workers, on the host
+        valid = torch.tensor([r.error is None for r in rewards.results], dtype=torch.bool, device=device)
         dropped = ~valid if cfg.reward.on_error == "drop" else torch.zeros_like(valid)
-        scores = rewards.scores.clone()
+        scores = rewards.scores.to(device, copy=True)
         lengths = batch.response_mask[rows].sum(dim=1)
         if a.overlong_buffer > 0:
             scores = scores + overlong_penalty(
@@ -772,6 +806,7 @@ def compute_advantages(
     estimator = get_advantage_estimator(a.advantage)
     if a.advantage == "gdpo":
         components = torch.stack([rewards.component(name) for name in a.gdpo_components], dim=1)  # [N, K]
+        components = components.to(scores.device)
         valid = valid & ~components.isnan().any(dim=1)
         advantages = estimator(components, G, eps=a.adv_eps, valid=valid, weights=a.gdpo_weights or None)
     else:

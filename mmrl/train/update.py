@@ -9,6 +9,7 @@ bonus; backward over micro-batches; clip; step. A non-finite loss or gradient sk
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import defaultdict
@@ -17,10 +18,12 @@ from collections.abc import Callable
 import torch
 
 from mmrl.algos.kl import kl_estimate, kl_in_loss
+from mmrl.algos.logprobs import chunk_positions
 from mmrl.algos.losses import aggregate, get_policy_loss, loss_denominator
 from mmrl.config import Config
 from mmrl.models.adapters import adapters_disabled
 from mmrl.models.loading import Policy
+from mmrl.models.precision import model_device
 from mmrl.train.batching import select_rows
 from mmrl.train.forward import response_logprobs
 from mmrl.types import RolloutBatch
@@ -50,22 +53,44 @@ def old_and_ref_logprobs(
     "adapters_disabled" (the LoRA base model), or None.
     """
     T = cfg.rollout.temperature
+    chunk = logits_chunk(cfg, policy)
     old = batch.rollout_logprobs if cfg.algo.old_logprobs == "rollout" else None
     if old is not None and reference is None:
         return old, None
-    old_parts, ref_parts = [], []
-    for rows in row_chunks(cfg, len(batch)):
-        sub = select_rows(batch, rows)
+    chunks = [select_rows(batch, rows) for rows in row_chunks(cfg, len(batch))]
+
+    def logprobs_of(model: torch.nn.Module) -> torch.Tensor:
+        return torch.cat([response_logprobs(model, sub, policy.blocked, T, chunk=chunk)[0] for sub in chunks])
+
+    with policy.autocast():
         if old is None:
-            old_parts.append(response_logprobs(policy.model, sub, policy.blocked, T)[0])
+            old = logprobs_of(policy.model)
+        if reference is None:
+            return old, None
         if reference == "adapters_disabled":
             with adapters_disabled(policy.model):
-                ref_parts.append(response_logprobs(policy.model, sub, policy.blocked, T)[0])
-        elif reference is not None:
-            ref_parts.append(response_logprobs(reference, sub, policy.blocked, T)[0])
-    if old is None:
-        old = torch.cat(old_parts)
-    return old, (torch.cat(ref_parts) if ref_parts else None)
+                return old, logprobs_of(policy.model)
+        with on_device(reference, policy.device):  # a reference kept on the host visits the device
+            return old, logprobs_of(reference)
+
+
+def logits_chunk(cfg: Config, policy: Policy) -> int:
+    """Positions per chunk of the LM head in the log-prob pass (`trainer.logits_chunk_mb`)."""
+    return chunk_positions(policy.blocked.shape[0], cfg.trainer.logits_chunk_mb * 2**20)
+
+
+@contextlib.contextmanager
+def on_device(module: torch.nn.Module, device: torch.device):
+    """`module` on `device` for the duration (moved back where it was afterwards)."""
+    home = model_device(module)
+    if home == device:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to(home)
 
 
 def update_policy(
@@ -99,11 +124,14 @@ def update_policy(
     skipped = 0
     params = [p for g in optimizer.param_groups for p in g["params"]]
 
+    chunk = logits_chunk(cfg, policy)
+
     def forward(sub: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        return response_logprobs(
-            model, sub, policy.blocked, cfg.rollout.temperature,
-            with_entropy=True, entropy_grad=a.entropy_coef > 0,
-        )  # fmt: skip
+        with policy.autocast():  # the backward runs outside autocast, as torch recommends
+            return response_logprobs(
+                model, sub, policy.blocked, cfg.rollout.temperature,
+                with_entropy=True, entropy_grad=a.entropy_coef > 0, chunk=chunk,
+            )  # fmt: skip
 
     for epoch in range(cfg.trainer.ppo_epochs):
         # The first pass keeps row order so its first mini-batch matches the old log-prob pass.
