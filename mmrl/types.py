@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,3 +226,25 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.response_ids.device
+
+    def to(self, device: torch.device) -> RolloutBatch:
+        """The batch with its tensors on `device` (itself when they are there already)."""
+        if self.device == device:
+            return self
+        move = {
+            name: getattr(self, name).to(device)
+            for name in (
+                "prompt_ids",
+                "prompt_mask",
+                "response_ids",
+                "response_mask",
+                "rollout_logprobs",
+                "truncated",
+            )
+        }
+        vision = {k: v.to(device) for k, v in self.vision_inputs.items()}
+        return dataclasses.replace(self, **move, vision_inputs=vision)

@@ -76,13 +76,15 @@ class RolloutWorker:
     """A rollout engine with its own copy of the policy."""
 
     def __init__(self, cfg: Config, model_path: str, seed: int, threads: int):
-        from mmrl.models.loading import load_policy
+        from mmrl.models.loading import load_inference_policy
         from mmrl.train.async_grpo import make_rollout_engine
 
         if threads > 0:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
-        self.engine = make_rollout_engine(cfg, load_policy(model_path))
+        # On the actor's own device (Ray exposes its GPU as cuda:0), in the compute dtype.
+        policy = load_inference_policy(model_path, cfg.trainer.device, cfg.model.dtype, cfg.model.revision)
+        self.engine = make_rollout_engine(cfg, policy)
 
     def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
         return self.engine.generate(samples, params)

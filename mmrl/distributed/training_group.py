@@ -30,6 +30,7 @@ Launch: one `GroupLearner` per process, each told its rank, the world size and a
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from collections import deque
 from pathlib import Path
@@ -41,10 +42,12 @@ from mmrl.algos.losses import loss_denominator
 from mmrl.config import Config
 from mmrl.models.adapters import freeze_parts, param_groups
 from mmrl.models.loading import Policy, load_policy
-from mmrl.models.precision import Precision
+from mmrl.models.precision import Precision, resolve_dtype
 from mmrl.train.batching import select_rows
 from mmrl.train.update import old_and_ref_logprobs, row_chunks, update_policy
 from mmrl.types import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 
 def rank_rows(n_rows: int, mini_batches: int, rank: int, world_size: int) -> list[int]:
@@ -122,38 +125,23 @@ class ShareOfGlobalLoss(torch.nn.Module):
         return out
 
 
-def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
+def shard(model: torch.nn.Module, mesh, mp_policy=None) -> torch.nn.Module:
     """FSDP2 on every block the model says must not be split (decoder layers, vision blocks),
-    then on the whole; gradients are summed across the group, not averaged."""
+    then on the whole; gradients are summed across the group, not averaged. `mp_policy`: an
+    FSDP2 `MixedPrecisionPolicy` (None: compute in the weights' dtype)."""
     from torch.distributed.fsdp import fully_shard
 
+    kw = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
     blocks = set(getattr(model, "_no_split_modules", None) or [])
     for module in list(model.modules()):
         if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, **kw)
+    fully_shard(model, **kw)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
     return model
-
-
-def batch_to(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
-    if device.type == "cpu":
-        return batch
-    moved = copy.copy(batch)
-    for name in (
-        "prompt_ids",
-        "prompt_mask",
-        "response_ids",
-        "response_mask",
-        "rollout_logprobs",
-        "truncated",
-    ):
-        setattr(moved, name, getattr(batch, name).to(device))
-    moved.vision_inputs = {k: v.to(device) for k, v in batch.vision_inputs.items()}
-    return moved
 
 
 class GroupLearner:
@@ -174,6 +162,7 @@ class GroupLearner:
         threads: int = 0,
         dtype: torch.dtype = torch.float32,
     ):
+        from torch.distributed import fsdp
         from torch.distributed.device_mesh import init_device_mesh
 
         from mmrl.train.grpo import lr_lambda, seed_everything
@@ -194,14 +183,24 @@ class GroupLearner:
             )
         mesh = init_device_mesh(self.device.type, (world_size,))
         seed_everything(cfg.trainer.seed)
-        policy = load_policy(model_path, dtype=dtype)
+        policy = load_policy(model_path, dtype=dtype, revision=cfg.model.revision)
         freeze_parts(policy.model, cfg)
         model = policy.model.to(self.device).train()
+        # Mixed precision the FSDP2 way: sharded master weights in `dtype` (float32), gathered in
+        # the compute dtype for the forward and backward, gradients reduced in float32. An explicit
+        # non-float32 `dtype` (a test's float64) is used throughout.
+        compute = resolve_dtype(cfg.model.dtype, self.device) if dtype == torch.float32 else dtype
+        mp = (
+            None
+            if compute == dtype
+            else fsdp.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        )
         reference = None
         if cfg.algo.kl_coef > 0:
-            reference = shard(copy.deepcopy(model).eval().requires_grad_(False), mesh)
-        self.model = shard(model, mesh)
-        self.precision = Precision(self.device, dtype, dtype)
+            reference = shard(copy.deepcopy(model).eval().requires_grad_(False), mesh, mp)
+        self.model = shard(model, mesh, mp)
+        self.precision = Precision(self.device, compute, compute)  # FSDP2 casts; no autocast
+        log.info("training group: FSDP2 on %s, master weights %s, compute %s", self.device, dtype, compute)
         self.policy = Policy(self.model, policy.processor, policy.blocked.to(self.device),
                              policy.stop_token_ids, policy.pad_token_id, self.precision)  # fmt: skip
         self.reference = reference
@@ -228,7 +227,7 @@ class GroupLearner:
         """This process's rows and their old / reference log-probs [n, R], in the chunks of its
         update's first pass (so its first on-policy mini-batch has a ratio of exactly 1)."""
         rows = self.rows(len(batch))
-        mine = batch_to(select_rows(batch, rows), self.device)
+        mine = select_rows(batch, rows).to(self.device)
         old, ref = old_and_ref_logprobs(self.cfg, self.policy, self.reference, mine)
         return rows, old.cpu(), None if ref is None else ref.cpu()
 
@@ -251,7 +250,7 @@ class GroupLearner:
 
         shares = loss_shares(self.cfg, batch.response_mask, rows)
         self._wrapped.shares = deque(shares)
-        local = batch_to(select_rows(batch, rows), dev)
+        local = select_rows(batch, rows).to(dev)
         policy = Policy(self._wrapped, self.policy.processor, self.policy.blocked,
                         self.policy.stop_token_ids, self.policy.pad_token_id, self.precision)  # fmt: skip
         metrics = update_policy(

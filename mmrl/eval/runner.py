@@ -98,11 +98,11 @@ def score_response(task: Task, query: Query, response: str, judge: Judge | None 
 
 def as_engine(model: Any, batch_size: int = 8):
     """A rollout engine from a path, a `Policy`, or an engine (anything with `generate`)."""
-    from mmrl.models.loading import Policy, load_policy
+    from mmrl.models.loading import Policy, load_inference_policy
     from mmrl.rollout.hf import HFRolloutEngine
 
     if isinstance(model, (str, Path)):
-        model = load_policy(model)
+        model = load_inference_policy(model)
     if isinstance(model, Policy):
         return HFRolloutEngine.from_policy(model, max_batch_rows=max(batch_size, 1))
     if hasattr(model, "generate"):

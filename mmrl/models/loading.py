@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
 
-from mmrl.models.precision import Precision, model_device
+from mmrl.models.precision import Precision, model_device, precision_from
 
 
 @dataclass
@@ -81,6 +81,19 @@ def load_policy(
     if device is not None:
         model.to(device)
     return make_policy(model, processor)
+
+
+def load_inference_policy(
+    path: str | Path, device: str = "auto", dtype: str = "auto", revision: str | None = None
+) -> Policy:
+    """A policy that only generates (evaluation, a judge, a rollout worker): loaded in the
+    compute dtype straight onto the device (`mmrl.models.precision`; `auto`: the accelerator,
+    bfloat16 there), frozen, in eval mode."""
+    precision = precision_from(device, dtype, dtype)
+    policy = load_policy(path, dtype=precision.compute, revision=revision, device=precision.device)
+    policy.model.eval().requires_grad_(False)
+    policy.precision = precision
+    return policy
 
 
 def hub_offline() -> bool:

@@ -23,6 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from mmrl.algos.logprobs import masked_logits, token_logprobs
 from mmrl.models.loading import Policy
+from mmrl.models.precision import model_device
 from mmrl.types import RolloutBatch, Sample
 
 
@@ -125,7 +126,8 @@ class HFRolloutEngine:
 
     @property
     def device(self) -> torch.device:
-        return self.blocked.device
+        """Where the model is now (a judge model may be moved between devices)."""
+        return model_device(self.model)
 
     # The engine shares the trainer's module: nothing to sync, nothing to offload.
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -153,6 +155,8 @@ class HFRolloutEngine:
         """
         from mmrl.train.forward import shares_prompts
 
+        if self.blocked.device != self.device:  # the token mask follows the model
+            self.blocked = self.blocked.to(self.device)
         shared = params.n > 1 and shares_prompts(self.model)
         # Chunks of whole groups when prompts are shared, else of rows.
         units = samples if shared else [s for s in samples for _ in range(params.n)]

@@ -40,6 +40,7 @@ import torch
 
 from mmrl.config import Config
 from mmrl.models.loading import Policy
+from mmrl.models.precision import Precision
 from mmrl.train.data import PromptSampler
 from mmrl.train.grpo import Composition, Trainee, learn_from_rollouts, make_trainee, rollout_and_score
 from mmrl.types import VerifyContext
@@ -213,7 +214,12 @@ def make_rollout_engine(cfg: Config, policy: Policy):
         return VLLMRolloutEngine.from_policy(policy, cfg)
     from mmrl.rollout.hf import HFRolloutEngine
 
-    own = Policy(**{**policy.__dict__, "model": copy.deepcopy(policy.model).eval()})
+    # Its copy needs no master weights: the compute dtype on the policy's device, as an inference
+    # engine holds it (the small rollout/trainer mismatch that leaves is what `algo.tis` corrects).
+    p = policy.precision
+    model = copy.deepcopy(policy.model).to(device=p.device, dtype=p.compute).eval().requires_grad_(False)
+    inference = Precision(p.device, p.compute, p.compute)
+    own = Policy(**{**policy.__dict__, "model": model, "precision": inference})
     return HFRolloutEngine.from_policy(own, max_batch_rows=cfg.rollout.max_batch_rows)
 
 

@@ -475,6 +475,7 @@ def learn_from_rollouts(
     scored."""
     a, G = cfg.algo, cfg.rollout.group_size
     t1 = time.monotonic()
+    batch = batch.to(t.policy.device)  # engines that hold their own copy (vLLM, Ray) return host tensors
     deferred = rewards if isinstance(rewards, DeferredRewards) else None
     batch.response_mask = batch.response_mask.clone()  # masked row by row below
     # c. Old and reference log-probs, before any reward is needed (masked rows set to 0 below).
