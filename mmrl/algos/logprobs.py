@@ -194,3 +194,39 @@ def head_logprobs(
         return _ChunkedHeadLogprobs.apply(
             hidden, weight, bias, targets, blocked, float(temperature), softcap, chunk, compute_dtype
         )
+
+
+def module_head_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    blocked: torch.Tensor | None,
+    temperature: float,
+    softcap: float | None = None,
+    chunk: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_logprobs` for an LM head that is not a plain linear layer (LoRA on the head, forward
+    hooks, a custom module): the head runs as a module over each chunk, and each chunk is
+    checkpointed, so the backward recomputes one chunk's logits at a time. Same contract."""
+    from torch.utils.checkpoint import checkpoint
+
+    def one_chunk(h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = _softcapped(head(h).float(), softcap)
+        s = masked_logits(logits, None if blocked is None else blocked[: logits.shape[-1]], temperature)
+        log_p = torch.log_softmax(s, dim=-1)
+        entropy = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+        return log_p.gather(-1, y[:, None]).squeeze(-1), entropy
+
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk):
+        h, y = hidden[start : start + chunk], targets[start : start + chunk]
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(one_chunk, h, y, use_reentrant=False)
+        else:
+            lp, ent = one_chunk(h, y)
+        logps.append(lp)
+        entropies.append(ent)
+    if not logps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(logps), torch.cat(entropies)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from mmrl.algos.logprobs import head_logprobs
+from mmrl.algos.logprobs import chunk_positions, head_logprobs, module_head_logprobs
 from mmrl.train.batching import model_inputs, prompt_groups, select_rows
 from mmrl.types import RolloutBatch
 
@@ -48,12 +48,16 @@ def response_logprobs(
         hidden = shared_prompt_hidden(root, batch) if share_prompts else None
         if hidden is None:
             hidden = full_hidden(root, batch)
-        weight, bias, softcap = output_head(root)
+        head, softcap = output_head(root)
         mask = batch.response_mask.bool()
-        token_logp, token_entropy = head_logprobs(
-            hidden[mask], weight, batch.response_ids[mask], blocked, temperature,
-            bias=bias, softcap=softcap, chunk=chunk,
-        )  # fmt: skip
+        h, y = hidden[mask], batch.response_ids[mask]
+        if plain_linear(head):
+            token_logp, token_entropy = head_logprobs(
+                h, head.weight, y, blocked, temperature, bias=head.bias, softcap=softcap, chunk=chunk
+            )
+        else:
+            size = chunk or chunk_positions(head.weight.shape[0])
+            token_logp, token_entropy = module_head_logprobs(h, head, y, blocked, temperature, softcap, size)
         logprobs = token_logp.new_zeros(mask.shape).masked_scatter(mask, token_logp)
         entropy = token_entropy.new_zeros(mask.shape).masked_scatter(mask, token_entropy)
         return logprobs, entropy
@@ -142,17 +146,26 @@ def decoder(model: torch.nn.Module) -> torch.nn.Module:
     return core
 
 
-def output_head(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
-    """The LM head as (weight [V, H], bias [V] or None, final-logit soft-cap or None)."""
+def output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, float | None]:
+    """The LM head module and the final-logit soft-cap (Gemma) or None."""
     head = _base(model).get_output_embeddings()
     text_config = _base(model).config.get_text_config()
-    softcap = getattr(text_config, "final_logit_softcapping", None)
-    return head.weight, getattr(head, "bias", None), softcap
+    return head, getattr(text_config, "final_logit_softcapping", None)
+
+
+def plain_linear(head: torch.nn.Module) -> bool:
+    """Whether the head is exactly `nn.Linear` with no hooks: the fused chunked path may then
+    use its weight directly (LoRA on the head, or a hook, must run as a module)."""
+    return type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
 
 
 def gradient_checkpointing(model: torch.nn.Module) -> bool:
     """Whether the model recomputes activations in the backward (it then drops caches)."""
-    return bool(getattr(_base(model), "is_gradient_checkpointing", False))
+    base = _base(model)
+    flag = getattr(type(base), "is_activation_checkpointing", None)
+    if flag is None:
+        flag = getattr(type(base), "is_gradient_checkpointing", None)
+    return bool(flag.__get__(base)) if flag is not None else False
 
 
 def position_ids(model: PreTrainedModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
