@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test lint format bench clean
+.PHONY: install run test wheel-check lint format bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -30,6 +30,10 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
+
+## Build the wheel, install it with its dependencies into a fresh venv outside the checkout, run the CLI.
+wheel-check:
+	PYTHON=python3 bash .ci/wheel_check
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -70,7 +70,33 @@ def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _softcapped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma's final-logit soft-capping, `cap * tanh(logits / cap)` (None: none)."""
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _chunk_log_softmax(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    blocked: torch.Tensor,
+    temperature: float,
+    softcap: float | None,
+    softcap_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(mask(softcap(h w^T + b)) / T) of one chunk, [c, V] float32, computed in one
+    buffer (in place); with `softcap_grad` also d softcap(z) / dz = 1 - tanh^2 (another [c, V])."""
+    z = _head_logits(h, w, b)
+    factor = None
+    if softcap is not None:
+        z.div_(softcap).tanh_()
+        if softcap_grad:
+            factor = 1.0 - z * z
+        z.mul_(softcap)
+    z.masked_fill_(blocked, float("-inf"))
+    if temperature != 1.0:
+        z.div_(temperature)
+    z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+    return z, factor
 
 
 class _ChunkedHeadLogprobs(torch.autograd.Function):
@@ -78,6 +104,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
 
     Forward keeps only the inputs; backward recomputes each chunk's logits and returns the exact
     gradients of `logprobs` and `entropy` with respect to `hidden` and the head's weight/bias.
+    Each chunk works in two [chunk, V] float32 buffers (three with soft-capping).
     """
 
     @staticmethod
@@ -88,19 +115,14 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         w, b = _cast(weight, compute_dtype), _cast(bias, compute_dtype)
         for start in range(0, T, chunk):
             end = min(start + chunk, T)
-            s = masked_logits(
-                _softcapped(_head_logits(hidden[start:end], w, b), softcap), blocked, temperature
-            )
-            log_p = torch.log_softmax(s, dim=-1)
+            log_p, _ = _chunk_log_softmax(hidden[start:end], w, b, blocked, temperature, softcap)
             logp[start:end] = log_p.gather(-1, targets[start:end, None]).squeeze(-1)
-            ent[start:end] = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+            # H = -sum p log p; blocked ids have p = 0 and log p = -inf: 0 * -inf = nan -> 0.
+            ent[start:end] = log_p.exp().mul_(log_p).nan_to_num_(nan=0.0).sum(-1).neg_()
+            del log_p
         ctx.save_for_backward(hidden, weight, bias, targets, blocked, ent)
-        ctx.temperature, ctx.softcap, ctx.chunk, ctx.compute_dtype = (
-            temperature,
-            softcap,
-            chunk,
-            compute_dtype,
-        )
+        ctx.temperature, ctx.softcap, ctx.chunk = temperature, softcap, chunk
+        ctx.compute_dtype = compute_dtype
         return logp, ent
 
     @staticmethod
@@ -120,23 +142,25 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
             h = hidden[start:end]
-            capped = _softcapped(_head_logits(h, w, b), softcap)
-            s = masked_logits(capped, blocked, temperature)
-            log_p = torch.log_softmax(s, dim=-1)
+            g_logp, g_ent = grad_logp[start:end, None], grad_ent[start:end, None]
+            log_p, factor = _chunk_log_softmax(h, w, b, blocked, temperature, softcap, softcap_grad=True)
             p = log_p.exp()
-            # d log p_y / d s_j = 1[j = y] - p_j;  d H / d s_j = -p_j (log p_j + H)
-            g = p * (-grad_logp[start:end, None])
-            g.scatter_add_(-1, targets[start:end, None], grad_logp[start:end, None])
-            g -= grad_ent[start:end, None] * p * (log_p.nan_to_num(neginf=0.0) + ent[start:end, None])
-            g /= temperature  # s = capped / T (blocked entries have p = 0, hence g = 0)
-            if softcap is not None:
-                g *= 1.0 - (capped / softcap) ** 2
+            # With s = logits / T:  d log p_y / d s_j = 1[j = y] - p_j,  d H / d s_j = -p_j (log p_j + H).
+            entropy_term = log_p.add_(ent[start:end, None]).mul_(p).nan_to_num_(nan=0.0).mul_(-g_ent)
+            g = p.mul_(-g_logp).add_(entropy_term)  # in p's buffer
+            del entropy_term, log_p
+            g.scatter_add_(-1, targets[start:end, None], g_logp)
+            g.div_(temperature)  # blocked entries have p = 0, hence g = 0
+            if factor is not None:
+                g.mul_(factor)
+                del factor
             if need_h:
                 grad_h[start:end] = (g.to(w.dtype) @ w).to(hidden.dtype)
             if need_w:
-                grad_w += g.t() @ h.to(torch.float32)
+                grad_w.addmm_(g.t(), h.to(torch.float32))
             if need_b:
                 grad_b += g.sum(0)
+            del g
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),

@@ -1,0 +1,434 @@
+"""Real hardware without a GPU: memory that does not grow with vocabulary x length, device and
+precision handling, models by hub id. What needs CUDA is at the end, skipped here.
+
+What is covered where (see also the README, "What is tested where"):
+- the chunked log-prob pass: values and gradients against the full softmax, and a record of
+  every tensor the pass creates, forward and backward, showing none is vocabulary-sized beyond
+  one chunk;
+- device consistency: the loss path (LM head, log-softmax, policy loss, KL, TIS, advantages)
+  runs forward and backward with its inputs on the `meta` device, where a tensor mmrl creates
+  on another device raises; and every tensor factory call in the modules of a training step
+  names its device (or is on the list of host-side bookkeeping). The model's own forward cannot
+  run on `meta` (the Qwen-VL vision code reads image grids and masks as values), so the GPU
+  test at the end is what covers it;
+- precision: bfloat16 on the CPU end to end (the slow test in tests/test_training.py also
+  trains in it), first-step log-probs against float32 within a stated tolerance.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mmrl.algos.advantages import get_advantage_estimator
+from mmrl.algos.kl import kl_in_loss
+from mmrl.algos.logprobs import (
+    entropy_from_logits,
+    head_logprobs,
+    masked_logits,
+    module_head_logprobs,
+    token_logprobs,
+)
+from mmrl.algos.losses import get_policy_loss
+from mmrl.algos.tis import tis_weights
+from mmrl.config import load_config
+from mmrl.datasets.procedural import make_samples
+from mmrl.models.loading import ModelNotFoundError, load_policy
+from mmrl.models.precision import Precision, precision_from
+from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
+from mmrl.train.forward import response_logprobs
+from mmrl.train.grpo import prepare_policy
+from mmrl.train.update import old_and_ref_logprobs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ the chunked log-prob pass
+
+
+def _full_softmax(h, W, b, targets, blocked, temperature, softcap):
+    z = torch.nn.functional.linear(h, W, b)
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    s = masked_logits(z, blocked, temperature)
+    return token_logprobs(s, targets), entropy_from_logits(s)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 5, 1000])
+def test_chunked_head_equals_the_full_softmax_in_values_and_gradients(softcap, temperature, chunk):
+    T, H, V = 23, 16, 50
+    h = torch.randn(T, H, requires_grad=True)
+    W = torch.randn(V, H, requires_grad=True)
+    b = torch.randn(V, requires_grad=True)
+    blocked = torch.zeros(V, dtype=torch.bool)
+    blocked[[3, 7]] = True
+    targets = torch.randint(0, V, (T,))
+    targets[blocked[targets]] = 4  # blocked ids are never sampled
+    c_logp, c_ent = torch.randn(T), torch.randn(T)  # an arbitrary loss of both outputs
+
+    logp, ent = head_logprobs(h, W, targets, blocked, temperature, bias=b, softcap=softcap, chunk=chunk)
+    (logp * c_logp + ent * c_ent).sum().backward()
+    grads = [x.grad.clone() for x in (h, W, b)]
+    for x in (h, W, b):
+        x.grad = None
+    ref_logp, ref_ent = _full_softmax(h, W, b, targets, blocked, temperature, softcap)
+    (ref_logp * c_logp + ref_ent * c_ent).sum().backward()
+
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    for got, x in zip(grads, (h, W, b)):
+        torch.testing.assert_close(got, x.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_a_head_module_with_a_hook_runs_as_a_module_and_matches():
+    T, H, V = 17, 8, 30
+    head = torch.nn.Linear(H, V)
+    head.register_forward_hook(lambda m, i, out: out * 0.5)  # e.g. a LoRA delta or a user's hook
+    h = torch.randn(T, H, requires_grad=True)
+    targets = torch.randint(0, V, (T,))
+    logp, ent = module_head_logprobs(h, head, targets, None, 0.9, chunk=4)
+    (logp.sum() + ent.sum()).backward()
+    got = h.grad.clone()
+    h.grad = None
+    ref_logp, ref_ent = _full_softmax(h, head.weight * 0.5, head.bias * 0.5, targets, None, 0.9, None)
+    (ref_logp.sum() + ref_ent.sum()).backward()
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got, h.grad, atol=1e-5, rtol=1e-5)
+
+
+class _Shapes(TorchDispatchMode):
+    """Records the shape of every tensor an op allocates (views allocate nothing: skipped)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        aliases = any(r.alias_info is not None for r in func._schema.returns)  # a view, or in place
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and not aliases:
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def test_the_log_prob_pass_never_creates_logits_beyond_one_chunk(tiny_policy):
+    """Forward and backward of the trainer's pass: every tensor whose last dim is the vocabulary
+    holds at most `chunk` positions. (The pass before this change built [N, R + 1, V] logits,
+    then a masked copy and a log-softmax of the same size.)"""
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(make_samples(["colour_code"], 4, "train"), SamplingParams(n=4, max_new_tokens=10))
+    V = tiny_policy.model.get_output_embeddings().weight.shape[0]
+    chunk = 3
+    assert batch.response_mask.sum() > 8 * chunk  # many chunks
+    for share in (True, False):
+        with _Shapes() as record:
+            logp, ent = response_logprobs(
+                tiny_policy.model, batch, tiny_policy.blocked, 0.8, with_entropy=True, entropy_grad=True,
+                share_prompts=share, chunk=chunk,
+            )  # fmt: skip
+            (logp.sum() + 0.1 * ent.sum()).backward()
+        vocab_sized = [s for s in record.shapes if s and s[-1] == V]
+        assert vocab_sized, "the head must have run"
+        biggest = max(torch.Size(s).numel() for s in vocab_sized)
+        assert biggest <= chunk * V, (share, max(vocab_sized, key=lambda s: torch.Size(s).numel()))
+
+
+# ---------------------------------------------------------------------------- devices
+
+
+class _MetaReads(TorchDispatchMode):
+    """`meta` tensors have shapes but no values. Reading one (`.item()`, `float()`) gets a
+    placeholder here, so code that logs metrics runs; every other op runs as meta, which raises
+    when its tensors are on different devices (as CUDA does)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        on_meta = any(isinstance(a, torch.Tensor) and a.is_meta for a in args)
+        if on_meta and func is torch.ops.aten._local_scalar_dense.default:
+            return False if args[0].dtype == torch.bool else 1  # "no row is bad"; a count of 1
+        if on_meta and func is torch.ops.aten.nonzero.default:  # "no row is bad"
+            return torch.zeros((0, args[0].dim()), dtype=torch.long, device="meta")
+        return func(*args, **kwargs)
+
+
+def test_the_loss_path_creates_every_tensor_on_its_inputs_device(monkeypatch):
+    """Forward and backward of the loss path with every input on `meta`: a tensor created on the
+    CPU (the default device) and mixed in would raise."""
+    import torch.fx.experimental._config as fx_config
+
+    # Boolean indexing inside a meta kernel: every element taken.
+    monkeypatch.setattr(fx_config, "meta_nonzero_assume_all_nonzero", True)
+    with _MetaReads():
+        _loss_path_on_meta()
+
+
+def _loss_path_on_meta():
+    meta = torch.device("meta")
+    N, R, H, V, G = 8, 6, 16, 40, 4
+    hidden = torch.randn(N * R, H, device=meta, requires_grad=True)
+    weight = torch.randn(V, H, device=meta, requires_grad=True)
+    targets = torch.zeros(N * R, dtype=torch.long, device=meta)
+    blocked = torch.zeros(V, dtype=torch.bool, device=meta)
+    logp, ent = head_logprobs(hidden, weight, targets, blocked, 0.9, chunk=7)
+    logp, ent = logp.view(N, R), ent.view(N, R)
+    mask = torch.ones(N, R, device=meta)
+    old = torch.zeros(N, R, device=meta)
+    ref = torch.zeros(N, R, device=meta)
+    scores = torch.zeros(N, device=meta)
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
+        advantages = get_advantage_estimator(name)(scores, G, eps=1e-6)
+        assert advantages.device == meta, name
+    weights, _ = tis_weights(old, old, mask, level="token", cap=2.0, mode="truncate")
+    for name in ("ppo", "gspo", "cispo"):
+        loss, _ = get_policy_loss(name)(
+            logp, old, advantages, mask, clip_low=0.2, clip_high=0.28, clip_dual=None if name == "cispo" else 3.0,
+            agg="token_mean", denom=float(N * R), max_len=R, weights=weights,
+        )  # fmt: skip
+        kl = kl_in_loss(logp, ref, mask, estimator="k3", agg="token_mean", denom=float(N * R), max_len=R)
+        total = loss + 0.1 * kl - 0.01 * ent.mean()
+        assert total.device == meta
+        total.backward(retain_graph=True)
+        assert hidden.grad.device == meta and weight.grad.device == meta
+
+
+# Modules whose code runs in a training step. Each tensor factory call there must say where
+# its tensor goes (`device=`), or create it from another tensor (`new_*`, `*_like`, `.to`).
+STEP_MODULES = [
+    "mmrl/train/grpo.py",
+    "mmrl/train/update.py",
+    "mmrl/train/forward.py",
+    "mmrl/train/batching.py",
+    "mmrl/rollout/hf.py",
+    "mmrl/algos/advantages.py",
+    "mmrl/algos/losses.py",
+    "mmrl/algos/kl.py",
+    "mmrl/algos/tis.py",
+    "mmrl/algos/dapo.py",
+    "mmrl/algos/logprobs.py",
+]
+FACTORIES = {
+    "zeros",
+    "ones",
+    "full",
+    "empty",
+    "arange",
+    "tensor",
+    "rand",
+    "randn",
+    "randint",
+    "eye",
+    "linspace",
+}
+HOST_SIDE: set[tuple[str, str]] = set()
+"""(module, enclosing function) pairs allowed to create host tensors on purpose (none today)."""
+
+
+def test_every_tensor_a_training_step_creates_names_its_device():
+    missing = []
+    for rel in STEP_MODULES:
+        tree = ast.parse((ROOT / rel).read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for call in ast.walk(fn):
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+                    continue
+                owner = call.func.value
+                if not (isinstance(owner, ast.Name) and owner.id == "torch" and call.func.attr in FACTORIES):
+                    continue
+                if any(k.arg == "device" for k in call.keywords) or (rel, fn.name) in HOST_SIDE:
+                    continue
+                missing.append(f"{rel}:{call.lineno} torch.{call.func.attr} in {fn.name}()")
+    assert not missing, "tensors created without a device:\n" + "\n".join(missing)
+
+
+def test_batches_follow_the_policy_to_its_device(tiny_policy):
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(make_samples(["colour_code"], 2, "train"), SamplingParams(n=2, max_new_tokens=4))
+    assert batch.device == torch.device("cpu")
+    meta = batch.to(torch.device("meta"))
+    assert all(t.device.type == "meta" for t in (meta.prompt_ids, meta.response_mask, meta.rollout_logprobs))
+    assert all(v.device.type == "meta" for v in meta.vision_inputs.values())
+    assert batch.to(torch.device("cpu")) is batch
+
+
+# ---------------------------------------------------------------------------- precision
+
+
+def test_precision_defaults_on_the_cpu_are_float32_without_autocast():
+    p = precision_from("auto", "auto", "auto")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the CPU defaults are not what auto picks")
+    assert p == Precision(torch.device("cpu"), torch.float32, torch.float32)
+    assert not p.autocast
+    mixed = precision_from("cpu", "bfloat16", "auto")
+    assert (mixed.compute, mixed.master, mixed.autocast) == (torch.bfloat16, torch.float32, True)
+    assert "mixed precision" in mixed.describe()
+    pure = precision_from("cpu", "bfloat16", "bfloat16")
+    assert not pure.autocast
+    with pytest.raises(ValueError, match="master weights are either"):
+        precision_from("cpu", "bfloat16", "float16")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            precision_from("cuda", "auto", "auto")
+
+
+def _bf16_cfg(*extra):
+    return load_config(
+        "vision_reasoning",
+        overrides=["trainer.prompts_per_step=4", "rollout.group_size=4", "trainer.mini_batches=2", *extra],
+    )
+
+
+def test_mixed_precision_keeps_trainable_weights_float32_and_frozen_ones_in_the_compute_dtype(tiny_policy):
+    cfg = _bf16_cfg("model.dtype=bfloat16", "model.freeze_vision=true", "algo.kl_coef=0.01")
+    reference = prepare_policy(cfg, tiny_policy)
+    dtypes = {
+        (p.requires_grad, p.dtype)
+        for n, p in tiny_policy.model.named_parameters()
+        if "visual" not in n or "merger" in n
+    }
+    assert dtypes == {(True, torch.float32)}
+    vision = {p.dtype for n, p in tiny_policy.model.named_parameters() if "visual.blocks" in n}
+    assert vision == {torch.bfloat16}
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    assert tiny_policy.precision.autocast
+
+
+def test_bfloat16_log_probs_agree_with_float32_within_tolerance(tiny_policy):
+    """The same batch scored by the float32 policy and by its bfloat16 mixed-precision twin.
+    Measured on random tiny models (seeds 0-2): mean |difference| 0.0009-0.0010 nats, max
+    0.0035-0.0046 (bfloat16 keeps 8 mantissa bits); the bounds leave a factor of ~5."""
+    import copy
+
+    twin = dataclasses.replace(tiny_policy, model=copy.deepcopy(tiny_policy.model))
+    prepare_policy(_bf16_cfg("model.dtype=bfloat16"), twin)
+    prepare_policy(_bf16_cfg(), tiny_policy)
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(make_samples(["colour_code"], 4, "train"), SamplingParams(n=4, max_new_tokens=10))
+    cfg = _bf16_cfg()
+    fp32, _ = old_and_ref_logprobs(cfg, tiny_policy, None, batch)
+    bf16, _ = old_and_ref_logprobs(cfg, twin, None, batch)
+    assert fp32.dtype == bf16.dtype == torch.float32  # log-probs are float32 whatever the compute
+    mask = batch.response_mask.bool()
+    diff = (fp32 - bf16)[mask].abs()
+    assert diff.mean() < 0.005 and diff.max() < 0.025, (float(diff.mean()), float(diff.max()))
+    assert diff.max() > 0  # really computed in bfloat16
+
+
+# ---------------------------------------------------------------------------- hub ids
+
+
+def test_a_hub_id_reaches_from_pretrained_unchanged(monkeypatch, tiny_policy):
+    import transformers
+
+    calls = []
+
+    def fake(kind, obj):
+        def from_pretrained(source, **kw):
+            calls.append((kind, source, kw.get("revision"), kw.get("local_files_only")))
+            return obj
+
+        return from_pretrained
+
+    monkeypatch.setattr(
+        transformers.AutoProcessor, "from_pretrained", fake("processor", tiny_policy.processor)
+    )
+    monkeypatch.setattr(
+        transformers.AutoModelForImageTextToText, "from_pretrained", fake("model", tiny_policy.model)
+    )
+    policy = load_policy("Qwen/Qwen2.5-VL-3B-Instruct", revision="refs/pr/7")
+    assert calls == [
+        ("processor", "Qwen/Qwen2.5-VL-3B-Instruct", "refs/pr/7", None),
+        ("model", "Qwen/Qwen2.5-VL-3B-Instruct", "refs/pr/7", None),
+    ]
+    assert policy.model is tiny_policy.model
+
+
+def test_an_uncached_hub_id_offline_fails_naming_the_id_and_the_offline_mode(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError) as err:
+        load_policy("mmrl-tests/no-such-model", revision="v1")
+    message = str(err.value)
+    assert "'mmrl-tests/no-such-model'" in message and "'v1'" in message
+    assert "HF_HUB_OFFLINE=1" in message and "not in the local cache" in message
+
+
+def test_a_missing_local_folder_is_not_mistaken_for_a_hub_id(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no such local folder"):
+        load_policy(tmp_path / "nope" / "model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        load_policy(tmp_path / "empty")
+
+
+def test_a_local_folder_loads_as_before(tmp_path, tiny_policy):
+    tiny_policy.model.save_pretrained(tmp_path)
+    tiny_policy.processor.save_pretrained(tmp_path)
+    policy = load_policy(tmp_path, dtype=torch.bfloat16)
+    assert next(policy.model.parameters()).dtype == torch.bfloat16
+    assert policy.blocked.tolist() == tiny_policy.blocked.tolist()
+
+
+# ------------------------------------------------------------------- sampling defaults
+
+
+def test_a_checkpoints_sampling_defaults_do_not_change_what_is_sampled(tiny_policy):
+    """Qwen2.5-VL-Instruct ships top_k=1, top_p=0.001 and repetition_penalty=1.05: `generate`
+    would apply them, and the recorded log-probs (of the plain tempered softmax) would be wrong.
+    Single-response sampling goes through `generate`."""
+    gen = tiny_policy.model.generation_config
+    gen.top_k, gen.top_p, gen.repetition_penalty, gen.min_p = 1, 0.001, 1.5, 0.5
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    samples = make_samples(["colour_code"], 2, "train") * 6
+    batch = engine.generate(samples, SamplingParams(n=1, temperature=1.0, max_new_tokens=8))
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
+    torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)
+    # With top_k=1 applied, the 6 responses to each prompt would all be the greedy one.
+    assert len(set(batch.texts[0::2])) > 1 and len(set(batch.texts[1::2])) > 1
+
+
+# ------------------------------------------------------------------------- CUDA only
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+@cuda
+def test_on_a_gpu_the_step_runs_in_bfloat16_on_the_device(tiny_policy):
+    cfg = _bf16_cfg()
+    prepare_policy(cfg, tiny_policy)
+    assert tiny_policy.device.type == "cuda" and tiny_policy.precision.compute == torch.bfloat16
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(make_samples(["colour_code"], 4, "train"), SamplingParams(n=4, max_new_tokens=8))
+    assert batch.device.type == "cuda"
+    old, _ = old_and_ref_logprobs(cfg, tiny_policy, None, batch)
+    assert old.device.type == "cuda" and old.dtype == torch.float32
+    with torch.no_grad(), tiny_policy.autocast():
+        recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
+    # The engine samples under the same autocast: the same bf16 numerics, within kernel noise.
+    torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=2e-2, rtol=0)
+
+
+@cuda
+def test_on_a_gpu_the_log_prob_pass_peaks_at_a_few_chunks():
+    torch.cuda.reset_peak_memory_stats()
+    T, H, V = 4096, 1024, 151_936
+    h = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(V, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, V, (T,), device="cuda")
+    base = torch.cuda.memory_allocated()
+    logp, ent = head_logprobs(h, W, targets, None, 1.0)
+    (logp.sum() + ent.sum()).backward()
+    peak = torch.cuda.max_memory_allocated() - base
+    full = T * V * 4
+    assert peak < full / 8, (peak, full)
