@@ -154,8 +154,9 @@ class RewardModelConfig:
 class PlacementConfig:
     """Where reward models live while the policy trains (see `mmrl.rewards.placement`)."""
 
-    accelerator: str = "cpu"
-    """Device the policy trains and the reward models score on (`cuda:0`)."""
+    accelerator: str = "auto"
+    """Device the reward models score on: `auto` is the policy's (`trainer.device`), or a
+    torch device string (`cuda:1`)."""
     host: str = "cpu"
     """Where offloaded reward models wait during the update."""
     budget_mb: float | None = None
@@ -174,6 +175,11 @@ class ModelRewardsConfig:
     """GDPO: normalise the summed advantage over the batch."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Sharing the accelerator with the policy."""
+
+
+def accelerator_device(placement: PlacementConfig, policy_device: str | torch.device) -> torch.device:
+    """The reward models' accelerator: `placement.accelerator`, where `auto` is the policy's."""
+    return torch.device(policy_device if placement.accelerator == "auto" else placement.accelerator)
 
 
 def check_kwargs(model_type: str, kwargs: dict[str, Any], where: str = "kwargs") -> dict[str, Any]:
@@ -200,8 +206,11 @@ def check_kwargs(model_type: str, kwargs: dict[str, Any], where: str = "kwargs")
     return out
 
 
-def build_reward_models(cfg: ModelRewardsConfig) -> dict[str, RewardModel]:
-    """Build every configured reward model, by name, on its device."""
+def build_reward_models(
+    cfg: ModelRewardsConfig, policy_device: str | torch.device = "cpu"
+) -> dict[str, RewardModel]:
+    """Build every configured reward model, by name, on its device (`placement.accelerator`;
+    `auto`: `policy_device`)."""
     models: dict[str, RewardModel] = {}
     for i, model_cfg in enumerate(cfg.models):
         where = f"reward.models[{i}]"
@@ -211,7 +220,7 @@ def build_reward_models(cfg: ModelRewardsConfig) -> dict[str, RewardModel]:
             raise ValueError(f"{where}.name: {model_cfg.name!r} is configured twice")
         model_type = model_cfg.type or model_cfg.name
         kwargs = check_kwargs(model_type, model_cfg.kwargs, f"{where}.kwargs")
-        device = model_cfg.device or cfg.placement.accelerator
+        device = model_cfg.device or accelerator_device(cfg.placement, policy_device)
         model = get_reward_model(model_type, device=device, **kwargs)
         model.name = model_cfg.name
         models[model_cfg.name] = model

@@ -147,5 +147,5 @@ def test_bad_configuration_and_inputs_are_named(policy, judge):
         VLMJudge(policy=policy, min_score=5, max_score=5)
     with pytest.raises(RewardModelError, match="needs responses"):
         judge.score(prompts=["q"])
-    with pytest.raises(FileNotFoundError, match="not a Hugging Face model folder"):
+    with pytest.raises(FileNotFoundError, match="no such local folder"):
         VLMJudge(model_path="/nonexistent/judge")

@@ -50,7 +50,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 """A hub repository id: `name` or `org/name` (what is not a folder and not this is a typo'd path)."""
 
 
-class ModelNotFoundError(OSError):
+class ModelNotFoundError(FileNotFoundError):
     """A model path that is neither a local model folder nor a hub id that can be loaded."""
 
 

@@ -44,7 +44,7 @@ from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
 from mmrl.models.precision import Precision, place, precision_from
-from mmrl.rewards.config import build_reward_models
+from mmrl.rewards.config import accelerator_device, build_reward_models
 from mmrl.rewards.placement import RewardPlacement
 from mmrl.rewards.router_bridge import score_model_rewards
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
@@ -430,8 +430,8 @@ def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Tr
     if mr.models:
         budget = None if mr.placement.budget_mb is None else int(mr.placement.budget_mb * 2**20)
         reward_models = RewardPlacement(
-            build_reward_models(mr),
-            accelerator=mr.placement.accelerator,
+            build_reward_models(mr, policy.device),
+            accelerator=accelerator_device(mr.placement, policy.device),
             host=mr.placement.host,
             budget_bytes=budget,
         )
