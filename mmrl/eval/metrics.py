@@ -71,6 +71,10 @@ class FieldContext:
     """The whole reference answer (every field)."""
     judge: Judge | None = None
     """The judge for judge metrics."""
+    parsed: Any = None
+    """The whole parsed response (MEGA-Bench hands it to `constrained_generation` and aux metrics)."""
+    task_name: str = ""
+    """The task's name (for messages)."""
 
 
 @dataclass(frozen=True)
