@@ -509,14 +509,30 @@ def _floatify(value: Any) -> int | float | None:
 
 
 def _parse_latex(text: str) -> Any:
-    """SymPy's ANTLR LaTeX parser (MEGA-Bench's), its stdout chatter silenced."""
+    """SymPy's ANTLR LaTeX parser (MEGA-Bench's `parse_latex`), run through its own pieces.
+
+    SymPy's grammar was generated with ANTLR 4.11 and its `parse_latex` refuses any other
+    runtime; math-verify needs the 4.13 runtime (its 4.11 parser is stale), and the 4.13 runtime
+    reads 4.11's serialised grammar. So the lexer/parser/converter are driven directly (checked
+    against MEGA-Bench under ANTLR 4.11 on the same inputs)."""
     import contextlib
     import io
 
-    from sympy.parsing.latex import parse_latex
+    import antlr4
+    from sympy.parsing.latex import _parse_latex_antlr as backend
 
+    if backend.LaTeXParser is None or backend.MathErrorListener is None:
+        raise ImportError("SymPy's LaTeX parser is not available")
+    text = text.strip()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return parse_latex(text)
+        listener = backend.MathErrorListener(text)
+        lexer = backend.LaTeXLexer(antlr4.InputStream(text))
+        lexer.removeErrorListeners()
+        lexer.addErrorListener(listener)
+        parser = backend.LaTeXParser(antlr4.CommonTokenStream(lexer))
+        parser.removeErrorListeners()
+        parser.addErrorListener(listener)
+        return backend.convert_relation(parser.math().relation())
 
 
 _EVAL_NAMES: dict[str, Any] = {"E": 2.718, "True": True, "False": False, "None": None}

@@ -105,6 +105,16 @@ def score_response(
     }
 
 
+def _not_in_megabench(task: Task) -> list[str]:
+    from mmrl.eval.megabench import REFERENCE_METRICS
+
+    metrics = [
+        *task.metric_info.field_score_function.values(),
+        *(task.metric_info.raw.get("global_aux_metrics") or {}).values(),
+    ]
+    return sorted({m for m in metrics if m not in REFERENCE_METRICS})
+
+
 def _score_megabench(task: Task, query: Query, response: str, judge: Judge | None) -> dict[str, Any]:
     from mmrl.eval import megabench
 
@@ -327,6 +337,10 @@ def run_suite(
         task_reason = None
         if task.unsupported_metrics():
             task_reason = "unsupported_metric"
+        elif cfg.scoring == "megabench" and _not_in_megabench(task):
+            task_reason = (
+                "unsupported_metric"  # mmrl-only metrics (e.g. `gleu`) have no MEGA-Bench definition
+            )
         elif task.eval_type == "open" and judge is None:
             task_reason = "needs_judge"
         for q in queries:

@@ -23,7 +23,9 @@ strings, `data:image/...;base64,...` URLs or `{"bytes": <base64>}` / `{"path": .
 verifiers never read pixels, so they are decoded only with `ServeConfig.check_images`.
 Without `sample_index`, `samples` and `responses` pair up one to one.
 
-**OpenRLHF** `POST /get_reward`: `{"query": [...], "prompts": [...], "labels": [...]}` ->
+**OpenRLHF** `POST /get_reward`: `{"query": [...], "prompts": [...], "labels": [...], "step": 120,
+"total_steps": 1000}` (`step` / `total_steps` optional, also as `"context": {...}`; without them
+every query is scored at step 0 of 1, so the dynamic IoU threshold never advances) ->
 `{"rewards": [...], "scores": [...], "extra_logs": {"accuracy": [...], "format": [...],
 "verifier_error": [...]}}`. `query[i]` is prompt + response; when it starts with `prompts[i]` the
 prompt is cut off, so a `\\boxed{}` in the prompt is never taken for the answer. How a label picks
@@ -445,6 +447,15 @@ def parse_get_reward(
     labels = _array(labels, "labels")
     if len(labels) != n:
         raise bad("labels", f"has {len(labels)} entries for {n} queries")
+    # OpenRLHF sends no step; a trainer that knows its global step adds "step" / "total_steps"
+    # (or a "context" object) so that step-dependent verifiers (the dynamic IoU threshold) advance.
+    context = parse_context(data.get("context")) if data.get("context") is not None else None
+    step = _int(data["step"], "step", 0) if data.get("step") is not None else (context.step if context else 0)
+    total = (
+        _int(data["total_steps"], "total_steps", 1)
+        if data.get("total_steps") is not None
+        else (context.total_steps if context else 1)
+    )
     items, ids, wheres = [], [], []
     for i, (query, label) in enumerate(zip(queries, labels)):
         query = _string(query, f"query[{i}]")
@@ -455,7 +466,7 @@ def parse_get_reward(
                 response = query[len(prompt) :]
         fields = (*_label(label, f"labels[{i}]", known, label_mode, default_verifier), None)
         sample_id = fields[6]
-        items.append((fields, response, 0, 1, False))
+        items.append((fields, response, step, total, False))
         ids.append(sample_id)
         wheres.append(f"labels[{i}]")
     return ParsedBatch(items, ids, wheres)
