@@ -24,8 +24,9 @@ the two documented corrections of V-Triune bugs:
   instead of the best one; the case is a bug case when that rule and the correct one give
   different matchings at one of the IoU thresholds it uses (then only the max-IoU-first values,
   and a final reward weighting them, may differ);
-- `error_not_zero`: V-Triune answers zeros for a sample it cannot score (bad ground truth,
-  weights summing to 0, ...); mmrl answers zeros and an `error`.
+- `error_not_zero`: V-Triune gives accuracy 0 to a sample it cannot score (a ground truth it
+  cannot parse, weights summing to 0, an exception) and still adds the format reward; mmrl
+  answers zeros and an `error` (counted and logged by the server).
 
 and the one deliberate reward-hacking fix: `brace_guard` (mmrl does not credit an answer region
 with unbalanced braces, V-Triune does).
@@ -109,7 +110,9 @@ def detection_cases(rng: random.Random, n: int) -> list[dict[str, Any]]:
         elif kind == 5:
             pred = [{"bbox_2d": b["bbox_2d"], "label": "bird"} for b in gt]
         elif kind == 6:
-            pred = list(reversed([{"bbox_2d": _jitter(b["bbox_2d"], rng, 15), "label": b["label"]} for b in gt]))
+            pred = list(
+                reversed([{"bbox_2d": _jitter(b["bbox_2d"], rng, 15), "label": b["label"]} for b in gt])
+            )
         text = json.dumps(pred)
         if kind == 7:
             text = text.replace("bbox_2d", "BBOX_2D").replace('"label"', '"Label"').upper()
@@ -118,7 +121,7 @@ def detection_cases(rng: random.Random, n: int) -> list[dict[str, Any]]:
         elif kind == 9:
             text = text.replace('"', '\\"')
         elif kind == 10:
-            text = text[:-1] + ", {\"bbox_2d\": [1, 2"  # cut short mid-item
+            text = text[:-1] + ', {"bbox_2d": [1, 2'  # cut short mid-item
         elif kind == 11:
             text = text.replace('"', "'")
         parm: dict[str, Any] = {
@@ -132,7 +135,15 @@ def detection_cases(rng: random.Random, n: int) -> list[dict[str, Any]]:
         if kind == 12:  # normalised: predictions in pixels of the model input
             h, w = rng.choice([(280, 420), (336, 336), (700, 500)])
             parm.update(det_verifier_normalized=True, image_grid_thw=[[1, h, w]])
-            text = json.dumps([{"bbox_2d": [c * (w if i % 2 == 0 else h) / 1000 for i, c in enumerate(b["bbox_2d"])], "label": b["label"]} for b in pred])
+            text = json.dumps(
+                [
+                    {
+                        "bbox_2d": [c * (w if i % 2 == 0 else h) / 1000 for i, c in enumerate(b["bbox_2d"])],
+                        "label": b["label"],
+                    }
+                    for b in pred
+                ]
+            )
         elif kind == 13:
             parm.update(det_verifier_normalized=True)  # no grid: unscaled
         if kind == 14:
@@ -188,18 +199,42 @@ def math_cases(rng: random.Random, n: int) -> list[dict[str, Any]]:
     return cases
 
 
-def classify(payload: dict[str, Any], mmrl: dict[str, Any]) -> str | None:
-    """The documented correction behind a difference on this payload, if any."""
+def classify(payload: dict[str, Any], mmrl: dict[str, Any], theirs: dict[str, float]) -> str | None:
+    """The documented correction behind a difference on this payload, if any (checked: the
+    difference must be only what that correction changes)."""
+    ours = mmrl["rewards"]
     if mmrl.get("error"):
-        return "error_not_zero"
+        # V-Triune's accuracy is its silent 0 (it still adds the format reward); mmrl's answer
+        # is zeros and the error.
+        return "error_not_zero" if theirs["accuracy_reward"] == 0.0 else None
+    differing = {k for k in theirs if abs(float(ours.get(k, 0.0)) - float(theirs[k])) > 1e-9}
     if payload["reward_verifier"] == "mathverify":
         body = payload["response"]
-        return "brace_guard" if body.count("{") != body.count("}") else None
+        unbalanced = body.count("{") != body.count("}")
+        flipped = theirs["accuracy_reward"] == 1.0 and ours["accuracy_reward"] == 0.0
+        return (
+            "brace_guard"
+            if unbalanced and flipped and differing <= {"accuracy_reward", "final_reward"}
+            else None
+        )
+    max_iou_keys = {k for k in theirs if "max_iou" in k or "iou_match" in k}
+    if (
+        json.loads(payload["reward_verifier_parm"]).get("det_reward_ratio", {}).get("iou_max_iou_first", 0)
+        > 0
+    ):
+        max_iou_keys |= {"accuracy_reward", "final_reward"}
+    if not differing <= max_iou_keys:
+        return None
     parm = json.loads(payload["reward_verifier_parm"])
     try:
         gt = [b["bbox_2d"] for b in json.loads(payload["answer"])]
         start = payload["response"].index("<answer>") + len("<answer>")
-        pred = [b["bbox_2d"] for b in json.loads(payload["response"][start : payload["response"].index("</answer>", start)].strip())]
+        pred = [
+            b["bbox_2d"]
+            for b in json.loads(
+                payload["response"][start : payload["response"].index("</answer>", start)].strip()
+            )
+        ]
     except (ValueError, KeyError, TypeError):
         return None
     if parm.get("det_verifier_normalized") and parm.get("image_grid_thw"):
@@ -215,7 +250,10 @@ def compare(vtriune_url: str, mmrl_url: str, n_detection: int, n_math: int, seed
     rng = random.Random(seed)
     report: dict[str, Any] = {}
     with httpx.Client(timeout=60) as client:
-        for name, payloads in (("detection", detection_cases(rng, n_detection)), ("math", math_cases(rng, n_math))):
+        for name, payloads in (
+            ("detection", detection_cases(rng, n_detection)),
+            ("math", math_cases(rng, n_math)),
+        ):
             agree = total = 0
             excluded: dict[str, int] = {}
             examples = []
@@ -224,16 +262,22 @@ def compare(vtriune_url: str, mmrl_url: str, n_detection: int, n_math: int, seed
                 answer = client.post(f"{mmrl_url}/judge", json=payload)
                 ours_full = answer.json()
                 ours = ours_full["rewards"]
-                same = answer.status_code == 200 and set(ours) == set(theirs) and all(
-                    abs(float(ours[k]) - float(theirs[k])) <= 1e-9 for k in theirs
+                same = (
+                    answer.status_code == 200
+                    and set(ours) == set(theirs)
+                    and all(abs(float(ours[k]) - float(theirs[k])) <= 1e-9 for k in theirs)
                 )
                 if not same:
-                    kind = classify(payload, ours_full)
+                    kind = classify(payload, ours_full, theirs)
                     if kind is not None:
                         excluded[kind] = excluded.get(kind, 0) + 1
                         continue
                     if len(examples) < 5:
-                        diff = {k: (theirs.get(k), ours.get(k)) for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)}
+                        diff = {
+                            k: (theirs.get(k), ours.get(k))
+                            for k in set(theirs) | set(ours)
+                            if theirs.get(k) != ours.get(k)
+                        }
                         examples.append({"payload": payload, "diff": diff})
                 total += 1
                 agree += same
@@ -258,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = compare(args.vtriune, args.mmrl, args.detection, args.math, args.seed)
     for name, r in report.items():
-        print(f"{name}: {r['agree']}/{r['compared']} agree ({100 * (r['agreement'] or 0):.1f}%), left out as documented corrections: {r['excluded_documented_corrections']}")
+        print(
+            f"{name}: {r['agree']}/{r['compared']} agree ({100 * (r['agreement'] or 0):.1f}%), left out as documented corrections: {r['excluded_documented_corrections']}"
+        )
         for example in r["disagreements"]:
             print("  differs:", json.dumps(example["diff"])[:300])
     if args.out:
