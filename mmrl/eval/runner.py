@@ -329,7 +329,7 @@ def run_suite(
             )
         ]
         if problems:
-            raise SuiteError("; ".join(problems))
+            raise SuiteError(suite.path, None, "; ".join(problems))
     skipped: list[dict[str, Any]] = []
     to_generate: list[tuple[Task, Query, str, str]] = []
     to_score: list[tuple[Task, Query, str, str, dict]] = []
