@@ -22,7 +22,7 @@ from mmrl.router import Router
 from mmrl.server.app import start_server_process
 from mmrl.server.client import RemoteRouter, RewardClient, RewardServiceUnavailable
 from mmrl.server.config import ServeConfig
-from mmrl.types import RewardSpec, Sample, VerifyContext
+from mmrl.types import Sample, VerifyContext
 from mmrl.verifiers import get_verifier
 
 TOKEN = "test-token-123"
