@@ -40,6 +40,8 @@ at least one valid box was parsed).
   (`x / width * 1000`, `y / height * 1000`) before scoring.
 - `image_size`: `[width, height]`, positive numbers; required when `normalized` is true.
 - `format`: which format reward to use, see `mmrl.verifiers.format`.
+- `style`: `"mmrl"` (default) or `"vtriune"`: V-Triune's own parsing, format reward, truncated
+  normalised coordinates and component names (`score_vtriune`; what `/judge` uses).
 
 Components: `accuracy`, `format`, `iou_threshold` (the threshold used; absent for "average"),
 `size_penalty`, `iou_max_iou_first` and `iou_max_label_first` (weighted IoUs before the size
