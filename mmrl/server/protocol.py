@@ -33,13 +33,15 @@ its verifier is `ServeConfig.label_mode`. Empty lists give empty lists.
 
 **V-Triune** `POST /judge`: their payload `{"response", "prompt", "answer", "solution",
 "data_source", "reward_verifier", "reward_verifier_parm" (JSON string), "format_ratio"
-(or "fmt_ratio"), "accuracy_ratio"}` -> `{"rewards": {"format_reward", "accuracy_reward",
-"reflection_reward", "final_reward", "<component>_reward"...}, "error": null}`. As in their
+(or "fmt_ratio"), "accuracy_ratio"}` -> `{"rewards": {...V-Triune's keys...}, "error": null}`,
+always with status 200: V-Triune's trainer reads every answer's `rewards` and stops on a 4xx, so
+a sample that cannot be scored gets every key at 0.0 and `error` saying why (the server counts
+and logs it). The keys are exactly V-Triune's for the verifier (`judge_keys`). As in their
 server, `final_reward = (a * accuracy + f * format) / (a + f)` with `a` = accuracy_ratio
 (default 1.0) and `f` = format_ratio (default `ServeConfig.judge_format_ratio`, theirs: 0.1);
-their verifier names and parameters are mapped as `mmrl convert vtriune` maps them, and the
-runtime keys they add to `reward_verifier_parm` (`step`, `total_steps`, `image_grid_thw`, ...)
-become the verify context (`image_grid_thw` supplies `image_size` for normalised detection).
+`mathverify` and `detection` are scored in V-Triune's style (see `parse_judge`), and the runtime
+keys they add to `reward_verifier_parm` (`step`, `total_steps`, `image_grid_thw`, ...) become
+the verify context (`image_grid_thw` supplies the size for normalised detection).
 
 Response text is data: it is handed to the verifiers as a string and never evaluated.
 """
