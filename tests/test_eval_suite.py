@@ -237,7 +237,9 @@ def test_judge_tasks_are_open_and_unsupported_metrics_are_known(suite_dir):
     (suite_dir / "t.json").write_text(json.dumps([judged, nli, coded]))
     suite = load_suite(suite_dir)
     assert suite.task("judged").eval_type == "open"
-    assert suite.task("nli").eval_type == "core" and suite.task("nli").unsupported_metrics() == ["nli_entailment"]
+    assert suite.task("nli").eval_type == "core" and suite.task("nli").unsupported_metrics() == [
+        "nli_entailment"
+    ]
     assert suite.task("coded").unsupported_metrics() == []  # program_judge runs, in a sandbox
 
 
