@@ -253,3 +253,18 @@ def test_cli_has_the_scoring_flag():
     add_eval_arguments(parser)
     assert config_from_args(parser.parse_args([])).scoring == "megabench"
     assert config_from_args(parser.parse_args(["--scoring", "corrected"])).scoring == "corrected"
+
+
+def test_a_metric_whose_package_is_missing_skips_its_queries(tmp_path, monkeypatch):
+    from mmrl.eval.config import EvalConfig
+    from mmrl.eval.runner import run_suite
+
+    monkeypatch.setitem(__import__("sys").modules, "rapidfuzz", None)  # import fails
+    folder = _suite(tmp_path / "suite")
+    task = json.loads((folder / "letters.json").read_text())
+    task["metric_info"]["field_score_function"] = {"Answer": "normalized_similarity_damerau_levenshtein"}
+    (folder / "letters.json").write_text(json.dumps(task))
+    result = run_suite(_Engine(), folder, EvalConfig(progress=False))
+    (letters,) = result.tasks
+    assert letters.score is None and letters.skipped == {"unavailable_metric": 2}
+    assert "rapidfuzz" in result.skipped_queries[0]["error"]
