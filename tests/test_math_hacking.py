@@ -85,6 +85,11 @@ def test_hedges_inside_one_answer_are_wrong(response):
     assert _accuracy("3", response) == 0.0
 
 
+def test_a_flood_of_different_boxes_is_not_parsed():
+    result = get_verifier("math")(" ".join(f"\\boxed{{{i}}}" for i in range(100)), _sample("3"))
+    assert result.components["accuracy"] == 0.0 and result.components["malformed"] == 1.0
+
+
 def test_boxed_contents_is_linear_on_hostile_input():
     text = "\\boxed{" * 20000 + "x"
     assert boxed_contents(text) == []

@@ -104,6 +104,10 @@ def extract_answer(response: str) -> str | None:
     return answer_tag_content(response)
 
 
+MAX_BOXED_ANSWERS = 64
+"""More different boxed answers than this are not parsed (a set that large is a hedge, and
+math-verify's time grows with it): accuracy 0."""
+
 _TEXT_WITH_DIGIT = re.compile(r"\\(?:text|textbf|textit|textrm|textsf|texttt|mbox)\s*\{[^{}]*\d")
 
 
@@ -124,6 +128,8 @@ def malformed_answer(response: str, answer: str) -> str | None:
         return "unbalanced braces in the answer"
     if _TEXT_WITH_DIGIT.search(answer):
         return "a number inside a text group of the answer"
+    if len({b.strip() for b in boxed_contents(response)}) > MAX_BOXED_ANSWERS:
+        return f"more than {MAX_BOXED_ANSWERS} different boxed answers"
     return None
 
 
