@@ -16,6 +16,7 @@ What a policy cannot get reward for (each closed hole has a test in tests/test_m
 - **Alternatives hidden in text.** A digit inside `\\text{}` (or `\\mbox`, `\\textbf`, ...)
   of the answer scores 0: math-verify drops such groups as units, so `3\\text{ (or 4)}` would
   otherwise count as 3.
+- **Flooding.** More than `MAX_BOXED_ANSWERS` different boxes are not parsed (accuracy 0).
 
 With `verifier_params.style = "vtriune"` (what `/judge` uses for V-Triune's `mathverify`) the
 accuracy is V-Triune's own: both texts lower-cased, the gold parsed with math-verify's
