@@ -146,8 +146,10 @@ def test_degenerate_batches_give_zero_advantages_and_never_nan(name, eps):
 def test_single_sample_groups(name):
     # G = 1: no group baseline, so every group-baselined estimator gives 0; REINFORCE++ has only
     # the batch baseline: [1, 0] -> mean 0.5, unbiased std sqrt(0.5), A = +-0.5 / sqrt(0.5).
+    # REINFORCE++-baseline follows veRL: a one-response group's baseline is 0, so it whitens the
+    # raw rewards like REINFORCE++ (veRL adds 1e-8 to the variance).
     got = adv(name, torch.tensor([1.0, 0.0]), 1, eps=0.0)
-    if name == "reinforce_pp":
+    if name in ("reinforce_pp", "reinforce_pp_baseline"):
         torch.testing.assert_close(got, torch.tensor([math.sqrt(0.5), -math.sqrt(0.5)]))
     else:
         assert got.tolist() == [0.0, 0.0]

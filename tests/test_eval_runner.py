@@ -82,7 +82,7 @@ def _write_suite(folder: Path) -> Path:
         task(
             "lost", ["exact_str_match"], [{"Answer": "x"}, {"Answer": "y"}], media=["green.png", "gone.png"]
         ),
-        task("code", ["program_judge"], [{"Answer": "print(1)"}]),
+        task("entail", ["nli_entailment"], [{"Answer": "yes"}]),
     ]
     for t in tasks:
         (folder / f"{t['task_name']}.json").write_text(json.dumps(t))
@@ -102,17 +102,22 @@ ANSWERS = {
 def test_scripted_run_scores_skips_and_counts(tmp_path):
     suite = load_suite(_write_suite(tmp_path / "suite"))
     engine = ScriptedEngine(ANSWERS)
-    result = run_suite(engine, suite, EvalConfig(output_dir=str(tmp_path / "out"), progress=False))
+    cfg = EvalConfig(output_dir=str(tmp_path / "out"), progress=False, scoring="corrected")
+    result = run_suite(engine, suite, cfg)
     by = {t.name: t for t in result.tasks}
     assert by["colour"].score == pytest.approx(0.5)
     # pair/0: both fields right (1); pair/1: raw text scores 0 on colour, and count "0" vs "{broken
     # json" is 0 -> 0. Mean 0.5, one parse failure.
     assert by["pair"].score == pytest.approx(0.5) and by["pair"].parse_failures == 1
+    # MEGA-Bench's own scoring: the JSON value 1 (an int, not text) is no literal to read for
+    # positive_int_match, so pair/0 scores (1 + 0) / 2 and the task 0.25.
+    megabench = run_suite(engine, suite, EvalConfig(output_dir=str(tmp_path / "mb"), progress=False))
+    assert {t.name: t for t in megabench.tasks}["pair"].score == pytest.approx(0.25)
     # No judge configured: the Open task is skipped, not crashed.
     assert by["describe"].score is None and by["describe"].skipped == {"needs_judge": 1}
     # The query whose image is missing is skipped and counted; the other one is scored.
     assert by["lost"].skipped == {"missing_media": 1} and by["lost"].num_scored == 1 and by["lost"].score == 1
-    assert by["code"].skipped == {"unsupported_metric": 1}
+    assert by["entail"].skipped == {"unsupported_metric": 1}
     s = result.summary
     assert s["skipped"] == {"needs_judge": 1, "missing_media": 1, "unsupported_metric": 1}
     assert s["core"] == pytest.approx((0.5 + 0.5 + 1.0) / 3) and s["open"] is None
@@ -135,7 +140,8 @@ def test_a_stub_judge_scores_open_tasks(tmp_path):
     assert by["describe"].eval_type == "open" and by["describe"].score == 1.0
     assert seen == [("Task describe.\n[image]Question?", "a green square", "a green square")]
     assert result.summary["open"] == 1.0
-    assert result.summary["overall"] == pytest.approx((0.5 + 0.5 + 1.0 + 1.0) / 4)
+    # colour 0.5, pair 0.25 (MEGA-Bench's scoring, the default: see the scripted run), lost 1, describe 1
+    assert result.summary["overall"] == pytest.approx((0.5 + 0.25 + 1.0 + 1.0) / 4)
 
 
 def test_changed_references_are_rescored_without_generating(tmp_path):
@@ -169,7 +175,10 @@ def test_metric_errors_are_recorded_not_silent(tmp_path):
     task = {
         "task_name": "point",
         "query_response": [{"query_text": "Where?", "correct_answer": {"Answer": "<point>0.5, 0.5</point>"}}],
-        "metric_info": {"field_score_function": {"Answer": "xml_norm_point_in_bbox"}},  # no eval_context
+        "metric_info": {  # no eval_context
+            "field_score_function": {"Answer": "xml_norm_point_in_bbox"},
+            "aggregation": {"function": "mean", "field_weights": {"Answer": 1}},
+        },
     }
     (folder / "point.json").write_text(json.dumps(task))
     cfg = EvalConfig(output_dir=str(tmp_path / "out"), progress=False)
@@ -215,7 +224,8 @@ def test_evaluate_suite_returns_eval_suite_metrics(tmp_path):
     engine = ScriptedEngine(ANSWERS)
     metrics = evaluate_suite(engine, folder, max_queries=1)
     assert metrics["eval_suite/task/colour"] == 1.0  # only colour/0 (max 1 query per task)
-    assert metrics["eval_suite/core"] == pytest.approx((1.0 + 1.0 + 1.0) / 3)
+    # colour/0 1, lost/0 1, pair/0 0.5 (MEGA-Bench: the JSON int 1 scores 0 on positive_int_match)
+    assert metrics["eval_suite/core"] == pytest.approx((1.0 + 0.5 + 1.0) / 3)
     assert metrics["eval_suite/queries"] == 3 and metrics["eval_suite/skipped"] == 2
     assert "eval_suite/open" not in metrics
     assert not (folder / "queries.jsonl").exists()  # nothing written: the trainer's model changes

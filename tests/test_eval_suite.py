@@ -232,13 +232,15 @@ def test_missing_media_does_not_fail_the_load(suite_dir):
 
 def test_judge_tasks_are_open_and_unsupported_metrics_are_known(suite_dir):
     judged = _task("judged", metric_info={"field_score_function": {"Answer": "gpt_4o_as_judge"}})
+    nli = _task("nli", metric_info={"field_score_function": {"Answer": "nli_entailment"}})
     coded = _task("coded", metric_info={"field_score_function": {"Answer": "program_judge"}})
-    (suite_dir / "t.json").write_text(json.dumps([judged, coded]))
+    (suite_dir / "t.json").write_text(json.dumps([judged, nli, coded]))
     suite = load_suite(suite_dir)
     assert suite.task("judged").eval_type == "open"
-    assert suite.task("coded").eval_type == "core" and suite.task("coded").unsupported_metrics() == [
-        "program_judge"
+    assert suite.task("nli").eval_type == "core" and suite.task("nli").unsupported_metrics() == [
+        "nli_entailment"
     ]
+    assert suite.task("coded").unsupported_metrics() == []  # program_judge runs, in a sandbox
 
 
 def test_the_builtin_suite_is_a_valid_suite(tmp_path):

@@ -144,18 +144,47 @@ def test_kl_on_the_predicted_mean():
 
 def test_per_prompt_advantages_by_hand():
     r = torch.tensor([1.0, 3.0, 10.0, 10.0])  # two prompts, G = 2
-    # group std (unbiased) of [1, 3] is sqrt(2); the second group has no spread
+    # flow_grpo's PerPromptStatTracker: population std (np.std), so the std of [1, 3] is 1
     adv = flow_grpo_advantages(r, 2, global_std=False, eps=0.0)
-    assert adv.tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2), 0.0, 0.0])
-    # global std: the batch's std divides every group's centred rewards
-    std = float(r.std())
+    assert adv.tolist() == pytest.approx([-1.0, 1.0, 0.0, 0.0])
+    # with flow-GRPO's eps the divisor is std + 1e-4
+    adv = flow_grpo_advantages(r, 2)
+    assert adv.tolist() == pytest.approx([-1 / 1.0001, 1 / 1.0001, 0.0, 0.0], rel=1e-7)
+    # global std: the batch's population std, sqrt(((-5)^2 + (-3)^2 + 4^2 + 4^2) / 4) = sqrt(16.5)
     adv = flow_grpo_advantages(r, 2, global_std=True, eps=0.0)
-    assert adv.tolist() == pytest.approx([-1 / std, 1 / std, 0.0, 0.0])
+    std = math.sqrt(16.5)
+    assert adv.tolist() == pytest.approx([-1 / std, 1 / std, 0.0, 0.0], rel=1e-7)
     assert flow_grpo_advantages(r * 100, 2, eps=0.0, clip=0.5).tolist() == pytest.approx(
         [-0.5, 0.5, 0.0, 0.0]
     )
     with pytest.raises(ValueError, match="G = 3"):
         flow_grpo_advantages(r, 3)
+
+
+def test_per_prompt_advantages_groups_of_different_sizes():
+    # prompt 7 has three images [0, 0, 3] (mean 1, population std sqrt(6/3) = sqrt(2)),
+    # prompt 2 has two [2, 4] (mean 3, std 1); interleaved, as flow_grpo groups by prompt text
+    r = torch.tensor([0.0, 2.0, 0.0, 4.0, 3.0])
+    ids = torch.tensor([7, 2, 7, 2, 7])
+    adv = flow_grpo_advantages(r, group_ids=ids, eps=0.0)
+    s2 = math.sqrt(2)
+    assert adv.tolist() == pytest.approx([-1 / s2, -1.0, -1 / s2, 1.0, 2 / s2], rel=1e-7)
+    # global std over every reward: mean 1.8, population variance (3.24+0.04+3.24+4.84+1.44)/5
+    g = math.sqrt(12.8 / 5)
+    adv = flow_grpo_advantages(r, group_ids=ids, global_std=True, eps=1e-4)
+    assert adv.tolist() == pytest.approx(
+        [-1 / (g + 1e-4), -1 / (g + 1e-4), -1 / (g + 1e-4), 1 / (g + 1e-4), 2 / (g + 1e-4)], rel=1e-7
+    )
+    # a group of one image has no spread: advantage 0 (flow_grpo: 0 / (0 + 1e-4))
+    assert flow_grpo_advantages(torch.tensor([5.0]), group_ids=torch.tensor([0])).tolist() == [0.0]
+
+
+def test_per_prompt_advantages_float64_like_numpy():
+    # float32 would lose these: rewards 1e8 + {0, 1} differ in the last float32 ulp of the mean
+    r = torch.tensor([1e8, 1e8 + 1.0], dtype=torch.float64)
+    adv = flow_grpo_advantages(r, 2, eps=0.0)
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == [-1.0, 1.0]
 
 
 def test_clipped_step_loss():

@@ -22,7 +22,7 @@ from mmrl.router import Router
 from mmrl.server.app import start_server_process
 from mmrl.server.client import RemoteRouter, RewardClient, RewardServiceUnavailable
 from mmrl.server.config import ServeConfig
-from mmrl.types import RewardSpec, Sample, VerifyContext
+from mmrl.types import Sample, VerifyContext
 from mmrl.verifiers import get_verifier
 
 TOKEN = "test-token-123"
@@ -267,37 +267,68 @@ def test_vtriune_judge_scores_their_payload_as_their_server_mixes_it(client):
 
 def test_vtriune_judge_normalised_detection_takes_the_image_size_from_image_grid_thw(client):
     # Ground truth on Qwen2-VL's 0-1000 grid; the prediction in pixels of a 200 x 100 model input.
+    # V-Triune: x / 200 * 1000 and y / 100 * 1000 truncated to integers -> [100, 200, 500, 600].
     gt = "<answer> [{'bbox_2d': [100, 200, 500, 600], 'label': 'dog'}] </answer>"
     prediction = json.dumps([{"bbox_2d": [20, 20, 100, 60], "label": "dog"}])
     parm = {
         "det_verifier_normalized": True,
+        "det_reward_ratio": {"iou_max_label_first": 1.0},
         "step": 90,
         "total_steps": 100,
         "image_grid_thw": [[1, 100, 200]],
     }
     payload = _vtriune_payload(
-        response=f"<answer>{prediction}</answer>",
+        response=f"<think>\nsee\n</think>\n<answer>\n{prediction}\n</answer>",
         solution=gt,
         reward_verifier="detection",
         reward_verifier_parm=json.dumps(parm),
         format_ratio=0.0,
     )
     answer = client.judge(payload)
-    sample = Sample(
-        "toy",
-        [],
-        [],
-        "",
-        RewardSpec(
-            [{"bbox_2d": [100, 200, 500, 600], "label": "dog"}],
-            "detection",
-            {"normalized": True, "image_size": [200, 100]},
+    assert answer["error"] is None
+    assert answer["rewards"]["final_reward"] == 1.0
+    assert answer["rewards"]["pure_iou_score_max_label_reward"] == 1.0
+    assert answer["rewards"]["format_reward"] == 1.0
+
+
+def test_vtriune_judge_answers_200_with_every_key_and_an_error_for_what_it_cannot_score(http):
+    # V-Triune's trainer reads rewards[...] of every answer and stops on a 4xx, so /judge never
+    # sends one for a sample: zeros under V-Triune's keys, and the reason in "error".
+    for body, verifier, message in [
+        ({"response": "x", "reward_verifier": "mathverify"}, "mathverify", "solution: missing"),
+        (_vtriune_payload(reward_verifier="ocr_v9"), "ocr_v9", "reward_verifier: unknown verifier 'ocr_v9'"),
+        (
+            _vtriune_payload(reward_verifier_parm="{step: 1"),
+            "mathverify",
+            "reward_verifier_parm: not valid JSON",
         ),
-        {"id": "x"},
-    )
-    want = expected(sample, f"<answer>{prediction}</answer>", VerifyContext(90, 100))
-    assert answer["rewards"]["final_reward"] == pytest.approx(want.score) and want.score == 1.0
-    assert answer["rewards"]["iou_max_label_first_reward"] == want.components["iou_max_label_first"]
+        (_vtriune_payload(solution="\\{"), "mathverify", "cannot parse"),
+        (  # V-Triune: "Check GT!" logged, 0 returned
+            _vtriune_payload(
+                reward_verifier="detection",
+                solution="<answer> [] </answer>",
+                reward_verifier_parm=json.dumps({"det_reward_ratio": {"map": 1.0}}),
+            ),
+            "detection",
+            "no valid box",
+        ),
+        (  # V-Triune: "Normalization factor is zero" logged, 0 returned
+            _vtriune_payload(
+                reward_verifier="detection",
+                solution="<answer> [{'bbox_2d': [1, 1, 2, 2], 'label': 'a'}] </answer>",
+            ),
+            "detection",
+            "weights must not sum to 0",
+        ),
+    ]:
+        answer = http.post("/judge", json=body)
+        assert answer.status_code == 200, answer.text
+        data = answer.json()
+        assert message in data["error"], data
+        expected_keys = 4 if verifier != "detection" else 4 + 29
+        assert len(data["rewards"]) == expected_keys and set(data["rewards"].values()) == {0.0}
+    answer = http.post("/judge", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert answer.status_code == 200 and "malformed JSON" in answer.json()["error"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,27 +415,6 @@ BAD_REQUESTS = [
         {"query": ["\\boxed{1}"], "labels": [[1, 2]]},
         422,
         "labels[0]: must be the ground truth for verifier 'math'",
-    ),
-    (
-        "judge without solution",
-        "/judge",
-        {"response": "x", "reward_verifier": "mathverify"},
-        422,
-        "solution: missing",
-    ),
-    (
-        "judge with unknown verifier",
-        "/judge",
-        _vtriune_payload(reward_verifier="ocr_v9"),
-        422,
-        "reward_verifier: unknown verifier 'ocr_v9'",
-    ),
-    (
-        "judge with bad parm JSON",
-        "/judge",
-        _vtriune_payload(reward_verifier_parm="{step: 1"),
-        422,
-        "reward_verifier_parm: not valid JSON",
     ),
 ]
 

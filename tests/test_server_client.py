@@ -204,18 +204,37 @@ def test_vtriune_judge_payload_becomes_an_mmrl_sample():
     verifier, gt, params, accuracy, fmt, data_source, _, prompt = fields
     assert verifier == "detection" and data_source == "coco" and prompt == "find the dog"
     assert gt == [{"bbox_2d": [1, 2, 3, 4], "label": "dog"}]
+    # V-Triune's DetectionVerifier: a ratio it is not given is 0; the threshold mode is the
+    # server's (V-Triune: $DET_IOU_THRESHOLD, effectively "average").
     assert params == {
+        "style": "vtriune",
         "normalized": True,
+        "iou_threshold": "average",
         "image_size": [420.0, 280.0],
         "completeness_weight": 0.2,
-        "weights": {"iou_max_label_first": 0.5, "map": 0.5},
+        "weights": {
+            "iou_max_label_first": 0.5,
+            "iou_max_iou_first": 0.0,
+            "map": 0.5,
+            "map50": 0.0,
+            "map75": 0.0,
+        },
     }
+    # A ratio outside [0, 1] is reset to 0 (V-Triune logs a warning), not rejected.
+    payload["reward_verifier_parm"] = json.dumps({**parm, "det_reward_ratio": {"map": 1.5, "map50": 1.0}})
+    params = parse_judge(payload, KNOWN, 0.1, "dynamic").items[0][0][2]
+    assert params["weights"]["map"] == 0.0 and params["weights"]["map50"] == 1.0
+    assert params["completeness_weight"] == 0.0 and params["iou_threshold"] == "dynamic"
+    # No image grid: V-Triune scores the boxes unscaled (mmrl used to reject the payload).
+    payload["reward_verifier_parm"] = json.dumps({**parm, "image_grid_thw": None})
+    params = parse_judge(payload, KNOWN, 0.1).items[0][0][2]
+    assert params["normalized"] is True and "image_size" not in params
     assert (accuracy, fmt) == (pytest.approx(0.8), pytest.approx(0.2))  # 1 : 0.25, normalised
     assert (step, total, response, native) == (7, 70, "<answer>[]</answer>", False)
     math_item = parse_judge(
         {"response": "r", "solution": "4", "reward_verifier": "mathverify"}, KNOWN, 0.1
     ).items[0][0]
-    assert math_item[0] == "math" and math_item[2] == {"format": "think_answer"}
+    assert math_item[0] == "math" and math_item[2] == {"format": "think_answer", "style": "vtriune"}
     assert (math_item[3], math_item[4]) == (pytest.approx(1 / 1.1), pytest.approx(0.1 / 1.1))
 
 

@@ -30,7 +30,7 @@ def _sample(gold: str, fmt_ratio: float = 0.0) -> Sample:
     ("text", "answer"),
     [
         ("so \\boxed{3}.", "3"),
-        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("\\boxed{1} then \\boxed{\\frac{1}{2}}", "1, \\frac{1}{2}"),  # two answers: read as their set
         ("<think>hm</think><answer>42</answer>", "42"),
         ("<answer>x \\boxed{7}</answer>", "7"),
         ("\\boxed{\\{a\\}}", "\\{a\\}"),

@@ -40,6 +40,8 @@ at least one valid box was parsed).
   (`x / width * 1000`, `y / height * 1000`) before scoring.
 - `image_size`: `[width, height]`, positive numbers; required when `normalized` is true.
 - `format`: which format reward to use, see `mmrl.verifiers.format`.
+- `style`: `"mmrl"` (default) or `"vtriune"`: V-Triune's own parsing, format reward, truncated
+  normalised coordinates and component names (`score_vtriune`; what `/judge` uses).
 
 Components: `accuracy`, `format`, `iou_threshold` (the threshold used; absent for "average"),
 `size_penalty`, `iou_max_iou_first` and `iou_max_label_first` (weighted IoUs before the size
@@ -74,7 +76,39 @@ SCORE_KEYS = ("iou_max_iou_first", "iou_max_label_first", "map", "map50", "map75
 DEFAULT_WEIGHTS = {"iou_max_label_first": 1.0}
 DEFAULT_COMPLETENESS_WEIGHT = 0.3
 SIZE_PENALTY_BASE = 0.6
-PARAM_KEYS = ("iou_threshold", "weights", "completeness_weight", "normalized", "image_size", "format")
+PARAM_KEYS = (
+    "iou_threshold",
+    "weights",
+    "completeness_weight",
+    "normalized",
+    "image_size",
+    "format",
+    "style",
+)
+STYLES = ("mmrl", "vtriune")
+"""`verifier_params.style`: mmrl's parsing and components, or V-Triune's (see `score_vtriune`)."""
+VTRIUNE_REPORT = (("iou", (0.5, 0.95)), ("label", (0.5, 0.75, 0.95, 0.99)))
+"""V-Triune's reported matchings: (strategy, thresholds) for `report_iou_<t>_<strategy>_match_*`."""
+VTRIUNE_COMPONENTS = (
+    "size_penalty",
+    "pure_iou_score_max_iou",
+    "pure_iou_score_max_label",
+    "pure_map_score",
+    "pure_map50_score",
+    "pure_map75_score",
+    "weighted_iou_score_max_iou",
+    "weighted_iou_score_max_label",
+    "weighted_map_score",
+    "weighted_map50_score",
+    "weighted_map75_score",
+    *(
+        f"report_iou_{round(t * 100)}_{kind}_match_{part}"
+        for kind, thresholds in VTRIUNE_REPORT
+        for t in thresholds
+        for part in ("pure", "precision", "recall")
+    ),
+)
+"""The accuracy components V-Triune's detection verifier returns (its `/judge` adds `_reward`)."""
 
 Match = tuple[int, int, float]
 """(prediction index, ground-truth index, credited IoU) of one matched pair."""
@@ -426,6 +460,9 @@ def detection_params(sample: Sample) -> dict[str, Any]:
     normalized = params.get("normalized", False)
     if not isinstance(normalized, bool):
         raise fail("normalized", f"must be true or false, got {normalized!r}")
+    style = params.get("style", "mmrl")
+    if style not in STYLES:
+        raise fail("style", f"must be one of {list(STYLES)}, got {style!r}")
 
     image_size = params.get("image_size")
     if image_size is not None and not (
@@ -434,7 +471,8 @@ def detection_params(sample: Sample) -> dict[str, Any]:
         and all(_is_number(v) and v > 0 for v in image_size)
     ):
         raise fail("image_size", f"must be [width, height] with positive numbers, got {image_size!r}")
-    if normalized and image_size is None:
+    if normalized and image_size is None and style != "vtriune":
+        # V-Triune scores unscaled boxes when it has no image grid (and logs a warning).
         raise fail("image_size", "is required when normalized is true")
 
     return {
@@ -443,6 +481,7 @@ def detection_params(sample: Sample) -> dict[str, Any]:
         "completeness_weight": float(completeness_weight),
         "normalized": normalized,
         "image_size": None if image_size is None else (float(image_size[0]), float(image_size[1])),
+        "style": style,
     }
 
 
@@ -481,6 +520,8 @@ class DetectionVerifier(Verifier):
 
     def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
         params = detection_params(sample)
+        if params["style"] == "vtriune":
+            return score_vtriune(response, sample, context, params)
         gt = ground_truth_boxes(sample.reward_model.ground_truth)
         if not gt:
             raise ValueError("the ground truth holds no valid box")
@@ -527,3 +568,152 @@ class DetectionVerifier(Verifier):
         return VerifierResult(
             score=mix_score(sample, accuracy, fmt), components=components, extracted=body[:500]
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# V-Triune's detection reward (`style: "vtriune"`, what `/judge` uses)
+
+
+def vtriune_answer_block(text: str) -> str:
+    """The body of the *first* `<answer>...</answer>`, stripped; "" when there is none."""
+    start = text.find("<answer>")
+    end = text.find("</answer>", start + len("<answer>")) if start >= 0 else -1
+    return text[start + len("<answer>") : end].strip() if end >= 0 else ""
+
+
+def vtriune_items(body: str) -> list[Any] | None:
+    """V-Triune's box-list reading of an (already lower-cased) answer: `[[` and `]]` flattened,
+    a list cut short after its last complete item closed, quotes made double, backslashes
+    dropped, then JSON. None when that is not a JSON list."""
+    if not body or not body.strip() or len(body) > MAX_ANSWER_CHARS:
+        return None
+    body = body.replace("[[", "[").replace("]]", "]")
+    if not body.endswith("]"):
+        body = body.rsplit("},", 1)[0] + "}]"
+    body = body.replace("'", '"').replace("\\", "")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, list) else None
+
+
+def vtriune_boxes(items: Iterable[Any] | None) -> list[Box]:
+    """V-Triune's valid boxes: a dict with `bbox_2d` (4 numbers, x1 <= x2, y1 <= y2) and a str
+    `label`; the first box at each position is kept (a second label there is dropped)."""
+    boxes: list[Box] = []
+    seen: set[tuple[float, ...]] = set()
+    for item in items or []:
+        box = _as_box(item) if isinstance(item, dict) else None
+        if box is None or not isinstance(item.get("label"), str):
+            continue
+        box = Box(box.x1, box.y1, box.x2, box.y2, item["label"])  # V-Triune does not strip labels
+        position = (box.x1, box.y1, box.x2, box.y2)
+        if position not in seen:
+            seen.add(position)
+            boxes.append(box)
+    return boxes
+
+
+def vtriune_format(response: str) -> float:
+    """V-Triune's detection format reward: 1 when `\\n<answer>\\n` occurs and `\\n</answer>`
+    occurs exactly once, and the first answer block holds a valid box."""
+    if not (response.count("\n<answer>\n") and response.count("\n</answer>") == 1):
+        return 0.0
+    return 1.0 if vtriune_boxes(vtriune_items(vtriune_answer_block(response.strip()).lower())) else 0.0
+
+
+def _lower_item(item: Any) -> Any:
+    """A ground-truth item as V-Triune sees it after lower-casing its text."""
+    if not isinstance(item, dict):
+        return item
+    return {str(k).lower(): (v.lower() if isinstance(v, str) else v) for k, v in item.items()}
+
+
+def vtriune_ground_truth(ground_truth: Any) -> list[Box]:
+    if isinstance(ground_truth, str):
+        text = ground_truth.strip()
+        body = vtriune_answer_block(text) if "<answer>" in text else text
+        return vtriune_boxes(vtriune_items(body.lower()))
+    if isinstance(ground_truth, dict):
+        ground_truth = [ground_truth]
+    if isinstance(ground_truth, (list, tuple)):
+        return vtriune_boxes([_lower_item(i) for i in ground_truth])
+    return []
+
+
+def score_vtriune(
+    response: str, sample: Sample, context: VerifyContext, params: dict[str, Any]
+) -> VerifierResult:
+    """V-Triune's `DetectionVerifier` reward, component for component.
+
+    The same as V-Triune's server (`reward_server/verify.py`) except where that is a bug:
+    max-IoU-first matching takes the pair with the largest IoU (V-Triune's loop keeps the last
+    pair it visited, so reordered boxes score differently), and a ground truth without a valid
+    box, or weights summing to 0, is an error rather than a silent 0. Normalised predictions
+    are truncated to integers on the 0-1000 grid, as V-Triune does; without an image size they
+    are scored as given.
+    """
+    gt = vtriune_ground_truth(sample.reward_model.ground_truth)
+    if not gt:
+        raise ValueError("the ground truth holds no valid box")
+    fmt = vtriune_format(response)
+    pred = vtriune_boxes(vtriune_items(vtriune_answer_block(response.strip()).lower()))
+    if pred and params["normalized"] and params["image_size"] is not None:
+        width, height = params["image_size"]
+        pred = [
+            Box(
+                int(b.x1 / width * 1000),
+                int(b.y1 / height * 1000),
+                int(b.x2 / width * 1000),
+                int(b.y2 / height * 1000),
+                b.label,
+            )  # fmt: skip
+            for b in pred
+        ]
+    components: dict[str, float] = dict.fromkeys(VTRIUNE_COMPONENTS, 0.0)
+    accuracy = 0.0
+    if pred:
+        threshold = params["iou_threshold"]
+        if threshold == "average":
+            thresholds: tuple[float, ...] = AVERAGE_THRESHOLDS
+        elif threshold == "dynamic":
+            thresholds = (dynamic_iou_threshold(context.step, context.total_steps),)
+        else:
+            thresholds = (float(threshold),)
+        cw = params["completeness_weight"]
+        ious = iou_matrix(pred, gt)
+        penalty = size_penalty(len(pred), len(gt))
+        pure = {
+            "iou_max_iou_first": _weighted_iou(match_max_iou_first, pred, gt, thresholds, ious, cw),
+            "iou_max_label_first": _weighted_iou(match_label_first, pred, gt, thresholds, ious, cw),
+            **coco_map(pred, gt),
+        }
+        components.update(
+            size_penalty=penalty,
+            pure_iou_score_max_iou=pure["iou_max_iou_first"],
+            pure_iou_score_max_label=pure["iou_max_label_first"],
+            pure_map_score=pure["map"],
+            pure_map50_score=pure["map50"],
+            pure_map75_score=pure["map75"],
+            weighted_iou_score_max_iou=pure["iou_max_iou_first"] * penalty,
+            weighted_iou_score_max_label=pure["iou_max_label_first"] * penalty,
+            weighted_map_score=pure["map"] * penalty,
+            weighted_map50_score=pure["map50"] * penalty,
+            weighted_map75_score=pure["map75"] * penalty,
+        )
+        matchers = {"iou": match_max_iou_first, "label": match_label_first}
+        for kind, report_thresholds in VTRIUNE_REPORT:
+            for t in report_thresholds:
+                found = matching_scores(matchers[kind](pred, gt, t, ious), len(pred), len(gt), cw)
+                name = f"report_iou_{round(t * 100)}_{kind}_match"
+                components[f"{name}_pure"] = found["mean_iou"]
+                components[f"{name}_precision"] = found["precision"]
+                components[f"{name}_recall"] = found["recall"]
+        weights = params["weights"]
+        accuracy = sum(w * penalty * pure[k] for k, w in weights.items()) / sum(weights.values())
+    return VerifierResult(
+        score=mix_score(sample, accuracy, fmt),
+        components={"accuracy": accuracy, "format": fmt, **components},
+        extracted=vtriune_answer_block(response.strip())[:500],
+    )

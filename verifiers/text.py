@@ -1,7 +1,8 @@
 """The `ocr`, `choice`, `number` and `counting` verifiers: short textual answers.
 
 All four take the final answer with the shared rule of `mmrl.verifiers.math.extract_answer` (the
-last `\\boxed{}`, else the last `<answer>...</answer>` body; see `final_answer`). `ocr` and
+`\\boxed{}` answer, several different boxes joined into the set they form so that hedging is never
+right by luck, else the last `<answer>...</answer>` body; see `final_answer`). `ocr` and
 `choice` then fall back to the whole response, stripped, because models often answer those bare
 ("STOP", "B"); `number` and `counting` do not (a bare response is full of numbers that are not
 the answer).
@@ -57,8 +58,8 @@ GROUND_TRUTH = "reward_model.ground_truth"
 
 
 def final_answer(response: str) -> str | None:
-    """The final answer by the shared rule (`mmrl.verifiers.math.extract_answer`): the last
-    `\\boxed{}` content, else the last `<answer>...</answer>` body, else None."""
+    """The final answer by the shared rule (`mmrl.verifiers.math.extract_answer`): the boxed
+    answer (different boxes joined with ", "), else the last `<answer>...</answer>` body, else None."""
     return extract_answer(response)
 
 

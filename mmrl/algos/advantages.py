@@ -16,7 +16,7 @@ whose rewards are all equal, gives advantage 0 to the rows it would have normali
 | `dr_grpo` | r_i - mean_group |
 | `rloo` | r_i - mean_{j != i in group} r_j |
 | `reinforce_pp` | (r_i - mean_batch) / (std_batch + eps) |
-| `reinforce_pp_baseline` | x_i = r_i - mean_group, then (x_i - mean_batch(x)) / (std_batch(x) + eps) |
+| `reinforce_pp_baseline` | x_i = r_i - mean_group, then whitened per token over the batch (veRL's `masked_whiten`) |
 | `gdpo` | sum_k w_k grpo(r[:, k]), then batch-normalised as above |
 
 Every std is the unbiased sample std (Bessel), as in TRL and veRL.
@@ -36,6 +36,8 @@ AdvantageFn = Callable[..., torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 GROUP_LOCAL: set[str] = set()
 """Estimators whose advantages for a group read only that group's rewards."""
+TOKEN_WEIGHTED: set[str] = {"reinforce_pp_baseline"}
+"""Estimators that take `token_counts` ([N] response tokens per row): veRL whitens them per token."""
 
 
 def register_advantage(name: str, group_local: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
@@ -198,23 +200,64 @@ def reinforce_pp_advantages(
 
 @register_advantage("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantages(
-    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+    token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """REINFORCE++-baseline (Hu 2025): x_i = r_i - mean(group), then A = (x - mean_b(x)) / (std_b(x) + eps).
+    """REINFORCE++-baseline (Hu 2025), veRL's `compute_reinforce_plus_plus_baseline_outcome_advantage`.
 
-    The group mean removes the prompt's difficulty; the global normalisation (over every valid
-    row of the batch, as veRL's `masked_whiten`) sets the scale without GRPO's per-group std.
+    x_i = r_i - mean(group) (a group with a single valid response keeps x_i = r_i: veRL's
+    baseline for it is 0), then x is whitened **per token** as veRL's `masked_whiten` does:
+    every response token carries its response's x, so with L_i tokens in response i and
+    T = sum_i L_i,
+
+        mu = sum_i L_i x_i / T,   var = sum_i L_i (x_i - mu)^2 / (T - 1),
+        A_i = (x_i - mu) / sqrt(var + 1e-8)
+
+    (veRL's masked mean divides by T + 1e-8, reproduced too). Long responses weigh more in mu
+    and var. Without `token_counts` every response counts as one token (equal lengths then
+    differ from veRL only by Bessel's factor, T/(T-1) instead of N/(N-1)).
 
     Args:
-        rewards: [B x G]; group_size: G; eps: added to the batch std; valid: [B x G] bool.
+        rewards: [B x G]; group_size: G; valid: [B x G] bool (invalid rows are left out of
+            every statistic and get 0).
+        eps: accepted for the common signature and unused: veRL's whitening adds 1e-8 to the
+            variance, not eps to the std.
+        token_counts: [B x G] response tokens per row (the response mask's row sums).
 
     Returns:
-        [B x G]; rows of groups with fewer than two valid rows enter the batch statistics
-        with x = 0; all 0 if the centred rewards have zero spread.
+        [B x G] float32; all 0 when fewer than two tokens are valid (veRL raises) or the
+        centred rewards have no spread; 0 on rows with no token.
     """
+    del eps  # see the docstring: the variance gets 1e-8, as in veRL
     r, v = _prepare(rewards, group_size, valid)
-    centred = _standardise(r.view(-1, group_size), v.view(-1, group_size), 0.0, scale=False)
-    return _standardise(centred.view(1, -1), v.view(1, -1), eps).view(-1)
+    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
+    n = vg.sum(dim=1, keepdim=True)
+    group_mean = torch.where(
+        n > 1, (rg * vg).sum(dim=1, keepdim=True) / n.clamp(min=1), torch.zeros_like(rg[:, :1])
+    )
+    x = torch.where(vg, rg - group_mean, torch.zeros_like(rg)).view(-1)
+    if token_counts is None:
+        w = torch.ones_like(x)
+    else:
+        if token_counts.shape != x.shape:
+            raise ValueError(
+                f"token_counts must be [N] = [{x.numel()}], got shape {list(token_counts.shape)}"
+            )
+        w = token_counts.to(device=x.device, dtype=torch.float32)
+    w = torch.where(v, w, torch.zeros_like(w))
+    total = w.sum()
+    used = w > 0
+    if total <= 1 or not used.any():
+        return torch.zeros_like(x)
+    mean = (w * x).sum() / (total + 1e-8)
+    var = (w * (x - mean).square()).sum() / (total + 1e-8) * (total / (total - 1))
+    adv = (x - mean) * torch.rsqrt(var + 1e-8)
+    spread = x[used].amax() > x[used].amin()
+    return torch.where(used & spread, adv, torch.zeros_like(adv))
 
 
 @register_advantage("gdpo")

@@ -3,7 +3,7 @@
 With log-ratio x = log pi(a) - log pi_ref(a) for a ~ pi:
     k1 = x                      unbiased, can be negative
     k2 = x^2 / 2                biased, low variance
-    k3 = (e^{-x} - 1) + x       unbiased and always >= 0
+    k3 = (e^{-x} - 1) + x       unbiased and always >= 0 (clamped to <= 10 as veRL does)
 
 Where the KL goes (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation
 for RL"; Zhang et al. 2025, "On the design of KL-regularized policy gradient algorithms"):
@@ -26,6 +26,10 @@ import torch
 from mmrl.algos.losses import aggregate
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+K3_EXPONENT_CLAMP = 20.0
+"""|ref - logp| is clamped to this before the exponential (veRL's `low_var_kl`)."""
+K3_VALUE_CLAMP = 10.0
+"""The k3 value is clamped to [-10, 10] (veRL's `low_var_kl`): no gradient past it."""
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -36,8 +40,11 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     if estimator == "k2":
         return 0.5 * log_ratio.square()
     if estimator == "k3":
-        # Clamp the exponent so a wildly off token cannot overflow to inf.
-        return torch.expm1(-log_ratio.clamp(min=-20.0, max=20.0)) + log_ratio
+        # veRL's `low_var_kl`: the exponent is clamped to +-20 (no overflow) and the value to
+        # +-10, which also bounds the gradient: a token with ref - logp > ~2.53 (k3 > 10) gets
+        # none, where the unclamped value's would be 1 - e^(ref - logp) (-53.6 at 4, ~-5e8 at 20).
+        kl = (-log_ratio).clamp(min=-K3_EXPONENT_CLAMP, max=K3_EXPONENT_CLAMP)
+        return (torch.expm1(kl) - kl).clamp(min=-K3_VALUE_CLAMP, max=K3_VALUE_CLAMP)
     raise ValueError(f"unknown KL estimator {estimator!r}: choose from k1, k2, k3")
 
 

@@ -186,40 +186,59 @@ def mean_kl(
 
 def flow_grpo_advantages(
     rewards: torch.Tensor,
-    group_size: int,
+    group_size: int | None = None,
     global_std: bool = False,
     eps: float = 1e-4,
     clip: float | None = None,
+    *,
+    group_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-prompt advantages: A_i = (r_i - mean_group) / (std + eps), optionally clipped.
 
+    The formula of flow_grpo's `PerPromptStatTracker.update`: float64 arithmetic and the
+    *population* standard deviation (`np.std`, divisor n), so a group of 2 with rewards {0, 1}
+    gets advantages -+0.5 / (0.5 + eps). With `global_std` the divisor is the population std of
+    every reward in the batch, whatever the groups' sizes.
+
     Args:
-        rewards: [B x G] one reward per image, prompt-major (rows i*G .. i*G+G-1 share prompt i).
-        group_size: G.
+        rewards: [N] one reward per image.
+        group_size: G for the usual prompt-major layout (rows i*G .. i*G+G-1 share prompt i);
+            ignored when `group_ids` is given.
         global_std: divide by the std of the whole batch instead of the group's (flow-GRPO's
             `global_std`: groups with little spread are not blown up).
         eps: added to the std (flow-GRPO uses 1e-4).
         clip: clamp to [-clip, clip] (flow-GRPO's `adv_clip_max`); None: no clipping.
+        group_ids: [N] the prompt (any integer id) of each image, for groups of different
+            sizes, in any order (flow-GRPO groups by prompt text the same way).
 
     Returns:
-        [B x G]. Stds are unbiased (Bessel), as everywhere in mmrl; a group of one image has no
-        baseline and gets 0.
+        [N] float32 (computed in float64). A group of one image has no spread around its own
+        mean and gets 0; with eps = 0 a spread-free divisor gives 0 rather than NaN.
     """
-    if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be [B x G] with G = {group_size}, got shape {list(rewards.shape)}")
-    r = rewards.float().view(-1, group_size)
-    centred = r - r.mean(dim=1, keepdim=True)
-    if group_size < 2:
-        return torch.zeros_like(rewards, dtype=torch.float32)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be [N], got shape {list(rewards.shape)}")
+    r = rewards.detach().to(torch.float64)
+    if group_ids is None:
+        if group_size is None or group_size < 1 or rewards.numel() % group_size:
+            raise ValueError(
+                f"rewards must be [B x G] with G = {group_size}, got shape {list(rewards.shape)}"
+            )
+        group_ids = torch.arange(rewards.numel(), device=r.device) // group_size
+    elif group_ids.shape != rewards.shape:
+        raise ValueError(f"group_ids {list(group_ids.shape)} must match rewards {list(rewards.shape)}")
+    _, inverse, counts = torch.unique(group_ids.to(r.device), return_inverse=True, return_counts=True)
+    n = counts.to(torch.float64)
+    mean = torch.zeros_like(n).index_add_(0, inverse, r) / n
+    centred = r - mean[inverse]
     if global_std:
-        std = r.reshape(-1).std() if r.numel() > 1 else torch.zeros(())
+        std = (r - r.mean()).square().mean().sqrt().expand_as(r)
     else:
-        std = r.std(dim=1, keepdim=True)
+        std = (torch.zeros_like(n).index_add_(0, inverse, centred.square()) / n).sqrt()[inverse]
     denom = std + eps
-    adv = torch.where(denom > 0, centred / denom.clamp(min=1e-30), torch.zeros_like(centred)).view(-1)
+    adv = torch.where(denom > 0, centred / denom.clamp(min=1e-300), torch.zeros_like(centred))
     if clip is not None:
         adv = adv.clamp(-clip, clip)
-    return adv
+    return adv.to(torch.float32)
 
 
 def clipped_step_loss(

@@ -14,6 +14,12 @@
 The vision-reasoning tasks ask exactly what the training task asks (so a trained checkpoint is
 evaluated in distribution); the perception tasks use MEGA-Bench's `Answer:` convention with a
 one-shot demonstration drawn from the validation split. Queries come from the `heldout` split.
+
+Its numbers are scored like any suite's: by default with MEGA-Bench's own definitions
+(`--scoring megabench`; note that the JSON parser hands `bar_chart_values` integers, which
+`exact_str_match` compares as text, and that `boxed_single_numerical_match` reads the *first*
+box), or with `--scoring corrected`; every result records which (`summary["scoring"]`, the
+first lines of `results.md`).
 """
 
 from __future__ import annotations

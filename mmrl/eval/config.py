@@ -45,6 +45,9 @@ class EvalConfig:
     """A sample counts as correct for pass@k when its query score is at least this."""
     base_model: str | None = None
     """Base checkpoint whose pass@k curve is drawn beside the model's (does RL widen or sharpen?)."""
+    scoring: str = "megabench"
+    """`megabench`: MEGA-Bench's own parsers, metrics and aggregation, quirks included (scores comparable
+    to published ones); `corrected`: mmrl's fixes of those quirks (`mmrl.eval.metrics`)."""
 
 
 @dataclass

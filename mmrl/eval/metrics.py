@@ -20,8 +20,12 @@ comparable; where their code has a bug rather than a definition we say so and di
 
 Judge metrics (`gpt_4o_as_judge`, `ascii_art_gpt4o_judge`, `model_judge`) call the configured
 judge `judge(prompt, response, reference) -> float in [0, 1]`; tasks using one are "Open", the
-others "Core". MEGA-Bench metrics that need code execution, planners, NLI models or geocoding
+others "Core". `program_judge` (sandboxed), `symbolic_planning_test` and `constrained_generation`
+are in `mmrl.eval.task_metrics`. MEGA-Bench metrics that need an NLI model or geocoding
 (`UNSUPPORTED`) are known by name: tasks using them are reported and skipped, not crashed.
+
+This module is the `--scoring corrected` mode; the default, `--scoring megabench`, reproduces
+MEGA-Bench's own code (`mmrl.eval.megabench`), whose numbers are the comparable ones.
 """
 
 from __future__ import annotations
@@ -50,9 +54,6 @@ MAX_LITERAL_CHARS = 100_000
 """Longest text read as a Python/JSON literal (longer text is compared as plain text)."""
 
 UNSUPPORTED = {
-    "program_judge": "runs generated programs against test cases",
-    "symbolic_planning_test": "runs a PDDL planner",
-    "constrained_generation": "needs task-specific constraint checkers",
     "nli_entailment": "needs an NLI model",
     "geo_proximity_location_dict": "geocodes place names over the network",
 }
@@ -71,6 +72,10 @@ class FieldContext:
     """The whole reference answer (every field)."""
     judge: Judge | None = None
     """The judge for judge metrics."""
+    parsed: Any = None
+    """The whole parsed response (MEGA-Bench hands it to `constrained_generation` and aux metrics)."""
+    task_name: str = ""
+    """The task's name (for messages)."""
 
 
 @dataclass(frozen=True)
@@ -1022,3 +1027,7 @@ def model_judge(response: Any, reference: Any, ctx: FieldContext | None = None) 
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"the judge returned {value}, outside [0, 1]")
     return value
+
+
+# The task-specific scorers register themselves (for both scoring modes) on import.
+from mmrl.eval import task_metrics as _task_metrics  # noqa: E402,F401

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 RECORDS_FILE = "queries.jsonl"
 """The per-query cache in an output folder."""
+SCORING_MODES = ("megabench", "corrected")
+"""`--scoring`: MEGA-Bench's own definitions (comparable to published scores) or mmrl's fixes."""
 
 
 # --------------------------------------------------------------------------- scoring
@@ -62,8 +64,18 @@ def judge_prompt(task: Task, query: Query) -> str:
     return text.replace("<image>", "[image]").replace("<video>", "[video]")
 
 
-def score_response(task: Task, query: Query, response: str, judge: Judge | None = None) -> dict[str, Any]:
-    """Parse and score one response; a field whose metric raises scores 0 and keeps the error."""
+def score_response(
+    task: Task, query: Query, response: str, judge: Judge | None = None, scoring: str = "megabench"
+) -> dict[str, Any]:
+    """Parse and score one response; a field whose metric raises scores 0 and keeps the error.
+
+    `scoring`: `megabench` reproduces MEGA-Bench's own parsers, metrics and aggregation
+    (`mmrl.eval.megabench`), `corrected` uses mmrl's (`mmrl.eval.metrics` / `parsers`). A metric
+    that needs a missing package raises `MetricUnavailable` (the caller skips the query)."""
+    if scoring == "megabench":
+        return _score_megabench(task, query, response, judge)
+    if scoring != "corrected":
+        raise ValueError(f"unknown scoring {scoring!r} (known: {', '.join(SCORING_MODES)})")
     info = task.metric_info
     parsed = parse_response(response, info.response_parse_function, query.answer, task.answer_fields)
     ctx = FieldContext(
@@ -90,6 +102,61 @@ def score_response(task: Task, query: Query, response: str, judge: Judge | None 
         "field_scores": scores,
         "field_errors": errors,
         "score": aggregate_query(scores, info.field_weights, info.aggregation),
+    }
+
+
+def _not_in_megabench(task: Task) -> list[str]:
+    from mmrl.eval.megabench import REFERENCE_METRICS
+
+    metrics = [
+        *task.metric_info.field_score_function.values(),
+        *(task.metric_info.raw.get("global_aux_metrics") or {}).values(),
+    ]
+    return sorted({m for m in metrics if m not in REFERENCE_METRICS})
+
+
+def _score_megabench(task: Task, query: Query, response: str, judge: Judge | None) -> dict[str, Any]:
+    from mmrl.eval import megabench
+
+    info = task.metric_info
+    fields, parse_ok, whole = megabench.parse_fields(
+        response, info.response_parse_function, query.answer, task.answer_fields
+    )
+    ctx = FieldContext(
+        eval_context=query.eval_context,
+        prompt=judge_prompt(task, query),
+        answer=query.answer,
+        judge=judge,
+        parsed=whole,
+        task_name=task.name,
+    )
+    scores: dict[str, float] = {}
+    errors: dict[str, str] = {}
+
+    def score(name: str, metric: str, value: Any, reference: Any) -> None:
+        scores[name], error = megabench.score_reference(metric, value, reference, ctx)
+        if error is not None:
+            errors[name] = f"{metric}: {error}"
+
+    for name, reference in query.answer.items():
+        metric = info.field_score_function.get(name)
+        if metric is not None:  # an auxiliary `##` field without a metric is not scored
+            score(name, metric, fields.get(name), megabench.evaluate_as_string(reference))
+    for name, metric in (info.raw.get("global_aux_metrics") or {}).items():
+        score(name, metric, whole, query.answer)
+    try:
+        query_score = megabench.aggregate_query(scores, info.field_weights, info.aggregation)
+    except (KeyError, ZeroDivisionError) as exc:  # MEGA-Bench raises here; this query does not count
+        errors["(aggregation)"] = str(exc)
+        query_score = -1.0
+    return {
+        "fields": {
+            k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in fields.items()
+        },
+        "parse_ok": parse_ok,
+        "field_scores": scores,
+        "field_errors": errors,
+        "score": query_score,
     }
 
 
@@ -244,6 +311,25 @@ def run_suite(
     judge_id = cfg.judge or cfg.judge_model or getattr(judge, "__qualname__", type(judge).__name__)
 
     selected = select_queries(suite, cfg.max_queries, cfg.tasks)
+    if cfg.scoring not in SCORING_MODES:
+        raise ValueError(f"unknown scoring {cfg.scoring!r} (known: {', '.join(SCORING_MODES)})")
+    if cfg.scoring == "megabench":
+        from mmrl.eval.megabench import check_task
+
+        problems = [
+            p
+            for task, _ in selected
+            if (
+                p := check_task(
+                    task.name,
+                    task.metric_info.field_score_function,
+                    task.metric_info.field_weights,
+                    task.metric_info.aggregation,
+                )
+            )
+        ]
+        if problems:
+            raise SuiteError(suite.path, None, "; ".join(problems))
     skipped: list[dict[str, Any]] = []
     to_generate: list[tuple[Task, Query, str, str]] = []
     to_score: list[tuple[Task, Query, str, str, dict]] = []
@@ -251,6 +337,10 @@ def run_suite(
         task_reason = None
         if task.unsupported_metrics():
             task_reason = "unsupported_metric"
+        elif cfg.scoring == "megabench" and _not_in_megabench(task):
+            task_reason = (
+                "unsupported_metric"  # mmrl-only metrics (e.g. `gleu`) have no MEGA-Bench definition
+            )
         elif task.eval_type == "open" and judge is None:
             task_reason = "needs_judge"
         for q in queries:
@@ -258,7 +348,7 @@ def run_suite(
                 skipped.append({"task": task.name, "query_idx": q.idx, "reason": task_reason})
                 continue
             prompt_key = _sha1([task.fingerprint(q), cfg.max_new_tokens])
-            score_key = task.score_fingerprint(q)
+            score_key = _sha1([task.score_fingerprint(q), cfg.scoring])
             if task.eval_type == "open":  # another judge re-scores
                 score_key = _sha1([score_key, judge_id])
             rec = cache.get(task.name, q.idx)
@@ -273,9 +363,17 @@ def run_suite(
             to_generate.append((task, q, prompt_key, score_key))
 
     def record(task: Task, q: Query, prompt_key: str, score_key: str, response: str) -> None:
+        from mmrl.eval.megabench import MetricUnavailable
+
         rec = {"task": task.name, "query_idx": q.idx, "prompt_key": prompt_key, "score_key": score_key}
         rec["response"] = response
-        rec.update(score_response(task, q, response, judge))
+        try:
+            rec.update(score_response(task, q, response, judge, cfg.scoring))
+        except MetricUnavailable as exc:
+            skipped.append(
+                {"task": task.name, "query_idx": q.idx, "reason": "unavailable_metric", "error": str(exc)}
+            )
+            return
         cache.put(rec)
 
     generated = 0
@@ -334,7 +432,7 @@ def run_suite(
     for reason, n in summarize(results)["skipped"].items():
         log.warning("skipped %d queries: %s", n, reason)
     result = EvalResult(
-        summary={"suite": suite.path, "model": model_id, **summarize(results)},
+        summary={"suite": suite.path, "model": model_id, "scoring": cfg.scoring, **summarize(results)},
         tasks=results,
         breakdown=keyword_breakdown(results),
         skipped_queries=skipped,
@@ -362,6 +460,14 @@ def results_markdown(result: EvalResult) -> str:
         f"# Evaluation of `{s.get('model')}`",
         "",
         f"Suite: `{s.get('suite')}`",
+        "",
+        f"Scoring: `{s.get('scoring', 'corrected')}` ("
+        + (
+            "MEGA-Bench's own definitions, comparable to published scores"
+            if s.get("scoring") == "megabench"
+            else "mmrl's corrected definitions, not comparable to published MEGA-Bench scores"
+        )
+        + ")",
         "",
         "| overall | Core | Open | micro | Core tasks | Open tasks | queries scored |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -467,6 +573,7 @@ def evaluate_suite(
     judge: Judge | None = None,
     prefix: str = "eval_suite",
     per_task: bool = True,
+    scoring: str = "megabench",
 ) -> dict[str, float]:
     """Evaluate in memory (no files, no cache) and return `eval_suite/...` metrics: `overall`,
     `core`, `open` (when there are such tasks), `queries`, `skipped`, `parse_failures` and
@@ -483,7 +590,11 @@ def evaluate_suite(
             _SUITES[key] = load_suite(suite_path)
         suite = _SUITES[key]
     cfg = EvalConfig(
-        max_queries=max_queries, max_new_tokens=max_new_tokens, batch_size=batch_size, progress=False
+        max_queries=max_queries,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        progress=False,
+        scoring=scoring,
     )
     result = run_suite(policy_or_engine, suite, cfg, judge=judge, model_id="trainer")
     s = result.summary
@@ -548,6 +659,13 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--judge-model", metavar="PATH", help="local VLM folder used as the judge of Open tasks"
     )
     parser.add_argument(
+        "--scoring",
+        choices=SCORING_MODES,
+        default=d.scoring,
+        help="megabench: MEGA-Bench's own scoring, quirks included, comparable to published scores "
+        "(default); corrected: mmrl's fixes of its quirks (see mmrl/eval/metrics.py), not comparable",
+    )
+    parser.add_argument(
         "--overwrite", action="store_true", help="discard cached results in the output folder"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -598,6 +716,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         pass_k=args.pass_k,
         pass_temperature=args.temperature,
         base_model=args.base,
+        scoring=args.scoring,
     )
 
 

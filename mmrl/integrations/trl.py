@@ -12,8 +12,10 @@ arrives as a list with one value per completion. The sample each completion answ
 - the `ground_truth_key` column (default: the first of `ground_truth`, `solution`, `answer`)
   scored by `verifier`.
 
-Completions may be plain strings or conversations (the last message's text is scored). One
-request per call; identical samples are sent once. A verifier error scores 0 and is logged; an
+Completions may be plain strings or conversations (the last message's text is scored). The
+training step comes from the `trainer_state` TRL passes (its `global_step` and `max_steps`), so
+step-dependent verifiers (the dynamic IoU threshold) advance with training. One request per
+call; identical samples are sent once. A verifier error scores 0 and is logged; an
 unreachable server raises `mmrl.server.client.RewardServiceError` after the client's retries.
 """
 
@@ -76,7 +78,8 @@ def make_reward_function(
                 keys[key] = len(unique)
                 unique.append(record)
             index.append(keys[key])
-        results = client.score_records(unique, texts, sample_index=index) if texts else []
+        context = trainer_context(kwargs.get("trainer_state"))
+        results = client.score_records(unique, texts, context, sample_index=index) if texts else []
         failed = [r["error"] for r in results if r.get("error")]
         if failed:
             log.warning(
@@ -91,6 +94,16 @@ def make_reward_function(
     reward.__qualname__ = name
     reward.client = client  # type: ignore[attr-defined]
     return reward
+
+
+def trainer_context(state: Any):
+    """The verify context of a transformers `TrainerState` (None when TRL passed none)."""
+    from mmrl.types import VerifyContext
+
+    if state is None or getattr(state, "global_step", None) is None:
+        return None
+    total = int(getattr(state, "max_steps", 0) or 0)
+    return VerifyContext(step=int(state.global_step), total_steps=max(total, int(state.global_step), 1))
 
 
 def _record(columns: dict[str, Any], i: int, verifier: str, ground_truth_key: str | None) -> dict[str, Any]:

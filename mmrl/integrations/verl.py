@@ -13,6 +13,20 @@ in order: `extra_info["reward_model"]` (a dict with the sample's reward_model fi
 factory's `verifiers_by_source[data_source]`, and finally the default verifier
 ($MMRL_REWARD_VERIFIER, else `math`).
 
+**The training step.** veRL's `compute_score` functions are not given the global step, so a
+step-dependent verifier (the dynamic IoU threshold) would score every step as step 0. Two ways
+to pass it: put `step` (and `total_steps`) in `extra_info`, or, better, use this module's reward
+manager, which reads veRL's `global_steps` from the batch's `meta_info` (the PPO trainer sets it;
+where a veRL version does not carry it to the reward batch, the manager counts its calls, one
+per training step) and `total_steps` from the reward kwargs or $MMRL_REWARD_TOTAL_STEPS:
+
+    reward_model:
+      reward_manager:
+        source: importlib
+        name: MMRLRewardManager
+        module: {path: /path/to/site-packages/mmrl/integrations/verl.py}
+      reward_kwargs: {total_steps: 1000}
+
 The score is the verifier's final reward (a float); `make_compute_score(return_dict=True)` returns
 veRL's dict form `{"score", "accuracy", "format", "error"}` instead (the same keys for every
 sample, so veRL can log them). A verifier error scores 0 and is logged; an unreachable server
@@ -33,6 +47,8 @@ log = logging.getLogger(__name__)
 
 VERIFIER_ENV = "MMRL_REWARD_VERIFIER"
 """Environment variable naming the default verifier (else `math`)."""
+TOTAL_STEPS_ENV = "MMRL_REWARD_TOTAL_STEPS"
+"""Environment variable with the run's total training steps (for `MMRLRewardManager`)."""
 
 _default: Callable[..., Any] | None = None
 _default_lock = threading.Lock()
@@ -128,6 +144,80 @@ def _context(extra_info: Mapping[str, Any] | None):
     if not extra_info or "step" not in extra_info:
         return None
     return VerifyContext(step=int(extra_info["step"]), total_steps=int(extra_info.get("total_steps", 1) or 1))
+
+
+class MMRLRewardManager:
+    """A veRL reward manager (`reward_manager.source: importlib`) scoring on `mmrl serve` with
+    the training step: `data.meta_info["global_steps"]` (else its own call count) over
+    `total_steps`. Decodes each response up to its attention mask like veRL's naive manager and
+    puts the score on the last response token."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        num_examine: int = 0,
+        compute_score: Any = None,
+        reward_fn_key: str = "data_source",
+        *,
+        total_steps: int | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        verifier: str | None = None,
+        verifiers_by_source: Mapping[str, str] | None = None,
+        client: RewardClient | None = None,
+        **client_options: Any,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.reward_fn_key = reward_fn_key
+        self.total_steps = int(total_steps or os.environ.get(TOTAL_STEPS_ENV) or 0)
+        self.client = client or RewardClient(url, token, **client_options)
+        self.default_verifier = verifier or os.environ.get(VERIFIER_ENV) or "math"
+        self.verifiers_by_source = verifiers_by_source
+        self.calls = 0
+
+    def step_context(self, meta_info: Mapping[str, Any] | None):
+        from mmrl.types import VerifyContext
+
+        step = (meta_info or {}).get("global_steps")
+        step = self.calls if step is None else int(step)
+        self.calls += 1
+        return VerifyContext(step=step, total_steps=max(self.total_steps, step, 1))
+
+    def __call__(self, data: Any, return_dict: bool = False) -> Any:
+        import torch
+
+        if "rm_scores" in data.batch.keys():
+            return {"reward_tensor": data.batch["rm_scores"]} if return_dict else data.batch["rm_scores"]
+        context = self.step_context(getattr(data, "meta_info", None))
+        prompt_length = data.batch["prompts"].shape[-1]
+        lengths = data.batch["attention_mask"][:, prompt_length:].sum(dim=-1).tolist()
+        responses = data.batch["responses"]
+        texts = [
+            self.tokenizer.decode(responses[i][: int(n)], skip_special_tokens=True)
+            for i, n in enumerate(lengths)
+        ]
+        nt = data.non_tensor_batch
+        extras = nt.get("extra_info", [None] * len(texts))
+        records = [
+            sample_record(
+                nt[self.reward_fn_key][i],
+                nt["reward_model"][i]["ground_truth"],
+                extras[i],
+                self.default_verifier,
+                self.verifiers_by_source,
+            )
+            for i in range(len(texts))
+        ]
+        results = self.client.score_records(records, texts, context)
+        rewards = torch.zeros_like(responses, dtype=torch.float32)
+        for i, (n, result) in enumerate(zip(lengths, results)):
+            if int(n) > 0:
+                rewards[i, int(n) - 1] = float(result["score"])
+        outputs = [_output(r, rec, True) for r, rec in zip(results, records)]
+        if not return_dict:
+            return rewards
+        extra = {key: [o[key] for o in outputs] for key in ("accuracy", "format", "error")}
+        return {"reward_tensor": rewards, "reward_extra_info": extra}
 
 
 def _output(result: dict[str, Any], record: dict[str, Any], return_dict: bool) -> float | dict[str, Any]:

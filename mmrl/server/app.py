@@ -830,10 +830,23 @@ class _Endpoints:
         return 200, protocol.get_reward_json(await self._scored(batch))
 
     async def judge(self, body: bytes) -> tuple[int, Any]:
-        data = protocol.parse_json(body)
-        batch = protocol.parse_judge(data, self.known, self.cfg.judge_format_ratio)
-        results = await self._scored(batch, protocol.judge_field)
-        return 200, protocol.judge_json(results[0])
+        # V-Triune's trainer reads every answer's rewards and stops on a 4xx: a sample that
+        # cannot be scored gets 200, zeros and an error, counted and logged (never a silent 0).
+        data: Any = None
+        try:
+            data = protocol.parse_json(body)
+            batch = protocol.parse_judge(
+                data, self.known, self.cfg.judge_format_ratio, self.cfg.judge_iou_threshold
+            )
+            results = await self._scored(batch, protocol.judge_field)
+        except RequestError as exc:
+            verifier = data.get("reward_verifier") if isinstance(data, dict) else None
+            self.metrics.sample_done(str(verifier or "unknown"), "invalid")
+            log.warning("/judge could not score a sample (%d): %s", exc.status, exc.message)
+            return 200, protocol.judge_failure_json(data, exc.message)
+        if type(results[0]) is tuple and results[0][2] is not None:
+            log.warning("/judge verifier error: %s", results[0][2])
+        return 200, protocol.judge_json(results[0], batch.items[0][0][0])
 
     async def health(self, body: bytes) -> tuple[int, Any]:
         return 200, {"status": "ok"}

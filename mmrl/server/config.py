@@ -68,6 +68,9 @@ class ServeConfig:
     `auto` (a JSON object with a `verifier` key is a reward_model, anything else a ground truth)."""
     judge_format_ratio: float = 0.1
     """`format_ratio` for `/judge` (V-Triune) payloads that omit it (their server's default)."""
+    judge_iou_threshold: str = "average"
+    """IoU threshold mode of `/judge` detection: "average", "dynamic" or a number in [0, 1] (V-Triune
+    reads $DET_IOU_THRESHOLD; its launch script never exports it, so it runs "average")."""
     check_images: bool = False
     """Decode the images of `/score` samples and reject unreadable ones with 422; image paths
     are then read from the server's disk (rule-based verifiers never look at pixels, so by
@@ -113,6 +116,16 @@ class ServeConfig:
             )
         if self.judge_format_ratio < 0:
             raise ValueError(f"judge_format_ratio must be >= 0, got {self.judge_format_ratio}")
+        threshold = str(self.judge_iou_threshold)
+        if threshold not in ("average", "dynamic"):
+            try:
+                number = float(threshold)
+            except ValueError:
+                number = -1.0
+            if not 0 <= number <= 1:
+                raise ValueError(
+                    f'judge_iou_threshold must be "average", "dynamic" or a number in [0, 1], got {threshold!r}'
+                )
         if self.token is not None and not self.token.strip():
             raise ValueError("token is empty; unset it or give a non-empty token")
         if not is_loopback(self.host) and not self.token:

@@ -23,7 +23,9 @@ strings, `data:image/...;base64,...` URLs or `{"bytes": <base64>}` / `{"path": .
 verifiers never read pixels, so they are decoded only with `ServeConfig.check_images`.
 Without `sample_index`, `samples` and `responses` pair up one to one.
 
-**OpenRLHF** `POST /get_reward`: `{"query": [...], "prompts": [...], "labels": [...]}` ->
+**OpenRLHF** `POST /get_reward`: `{"query": [...], "prompts": [...], "labels": [...], "step": 120,
+"total_steps": 1000}` (`step` / `total_steps` optional, also as `"context": {...}`; without them
+every query is scored at step 0 of 1, so the dynamic IoU threshold never advances) ->
 `{"rewards": [...], "scores": [...], "extra_logs": {"accuracy": [...], "format": [...],
 "verifier_error": [...]}}`. `query[i]` is prompt + response; when it starts with `prompts[i]` the
 prompt is cut off, so a `\\boxed{}` in the prompt is never taken for the answer. How a label picks
@@ -31,13 +33,15 @@ its verifier is `ServeConfig.label_mode`. Empty lists give empty lists.
 
 **V-Triune** `POST /judge`: their payload `{"response", "prompt", "answer", "solution",
 "data_source", "reward_verifier", "reward_verifier_parm" (JSON string), "format_ratio"
-(or "fmt_ratio"), "accuracy_ratio"}` -> `{"rewards": {"format_reward", "accuracy_reward",
-"reflection_reward", "final_reward", "<component>_reward"...}, "error": null}`. As in their
+(or "fmt_ratio"), "accuracy_ratio"}` -> `{"rewards": {...V-Triune's keys...}, "error": null}`,
+always with status 200: V-Triune's trainer reads every answer's `rewards` and stops on a 4xx, so
+a sample that cannot be scored gets every key at 0.0 and `error` saying why (the server counts
+and logs it). The keys are exactly V-Triune's for the verifier (`judge_keys`). As in their
 server, `final_reward = (a * accuracy + f * format) / (a + f)` with `a` = accuracy_ratio
 (default 1.0) and `f` = format_ratio (default `ServeConfig.judge_format_ratio`, theirs: 0.1);
-their verifier names and parameters are mapped as `mmrl convert vtriune` maps them, and the
-runtime keys they add to `reward_verifier_parm` (`step`, `total_steps`, `image_grid_thw`, ...)
-become the verify context (`image_grid_thw` supplies `image_size` for normalised detection).
+`mathverify` and `detection` are scored in V-Triune's style (see `parse_judge`), and the runtime
+keys they add to `reward_verifier_parm` (`step`, `total_steps`, `image_grid_thw`, ...) become
+the verify context (`image_grid_thw` supplies the size for normalised detection).
 
 Response text is data: it is handed to the verifiers as a string and never evaluated.
 """
@@ -445,6 +449,15 @@ def parse_get_reward(
     labels = _array(labels, "labels")
     if len(labels) != n:
         raise bad("labels", f"has {len(labels)} entries for {n} queries")
+    # OpenRLHF sends no step; a trainer that knows its global step adds "step" / "total_steps"
+    # (or a "context" object) so that step-dependent verifiers (the dynamic IoU threshold) advance.
+    context = parse_context(data.get("context")) if data.get("context") is not None else None
+    step = _int(data["step"], "step", 0) if data.get("step") is not None else (context.step if context else 0)
+    total = (
+        _int(data["total_steps"], "total_steps", 1)
+        if data.get("total_steps") is not None
+        else (context.total_steps if context else 1)
+    )
     items, ids, wheres = [], [], []
     for i, (query, label) in enumerate(zip(queries, labels)):
         query = _string(query, f"query[{i}]")
@@ -455,7 +468,7 @@ def parse_get_reward(
                 response = query[len(prompt) :]
         fields = (*_label(label, f"labels[{i}]", known, label_mode, default_verifier), None)
         sample_id = fields[6]
-        items.append((fields, response, 0, 1, False))
+        items.append((fields, response, step, total, False))
         ids.append(sample_id)
         wheres.append(f"labels[{i}]")
     return ParsedBatch(items, ids, wheres)
@@ -530,8 +543,57 @@ def judge_field(field: str) -> str:
     return field
 
 
-def parse_judge(data: Any, known: frozenset[str], default_format_ratio: float) -> ParsedBatch:
-    """V-Triune's `/judge` payload -> one item (their verifier names and params mapped)."""
+VTRIUNE_DET_RATIO_KEYS = (
+    "iou_max_label_first",
+    "iou_max_iou_first",
+    "iou_completeness",
+    "map",
+    "map50",
+    "map75",
+)
+"""The keys of V-Triune's `det_reward_ratio` (a missing one is 0, one outside [0, 1] is reset to 0)."""
+JUDGE_BASE_KEYS = ("format_reward", "accuracy_reward", "reflection_reward", "final_reward")
+
+
+def judge_keys(verifier: Any) -> tuple[str, ...]:
+    """The `rewards` keys V-Triune's server returns for a verifier (its trainer logs each one)."""
+    from mmrl.verifiers.detection import VTRIUNE_COMPONENTS
+
+    if verifier == "detection":
+        return (*JUDGE_BASE_KEYS, *(f"{k}_reward" for k in VTRIUNE_COMPONENTS))
+    return JUDGE_BASE_KEYS
+
+
+def _det_ratios(value: Any) -> dict[str, float]:
+    """V-Triune's `det_reward_ratio` as its DetectionVerifier reads it (reset, not rejected)."""
+    ratios = (
+        _object(value, "reward_verifier_parm.det_reward_ratio", json_string=True) if value is not None else {}
+    )
+    out = {}
+    for key in VTRIUNE_DET_RATIO_KEYS:
+        ratio = ratios.get(key, 0.0)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+            raise bad(
+                f"reward_verifier_parm.det_reward_ratio.{key}", f"must be a number, got {_type_name(ratio)}"
+            )
+        out[key] = float(ratio) if 0 <= ratio <= 1 else 0.0
+    return out
+
+
+def parse_judge(
+    data: Any, known: frozenset[str], default_format_ratio: float, iou_threshold: str | float = "average"
+) -> ParsedBatch:
+    """V-Triune's `/judge` payload -> one item (their verifier names and params mapped).
+
+    `mathverify` is scored with `style: "vtriune"` (V-Triune's own math-verify settings) and
+    `detection` with V-Triune's parsing, format reward and components (`style: "vtriune"`):
+    its constructor options `det_verifier_normalized` (predictions rescaled by
+    `image_grid_thw`'s width and height onto the 0-1000 grid, truncated to integers; no grid:
+    unscaled) and `det_reward_ratio` (missing keys 0, values outside [0, 1] reset to 0) become
+    mmrl's `normalized` / `image_size`, `weights` and `completeness_weight`. The IoU threshold
+    mode is the server's `iou_threshold` (V-Triune reads it from $DET_IOU_THRESHOLD, whose
+    effective default is "average"). The runtime keys (`step`, `total_steps`, ...) become the
+    verify context, so the dynamic threshold advances with V-Triune's trainer."""
     from mmrl.datasets.converters import VTRIUNE_RUNTIME_PARAMS, vtriune_record
     from mmrl.datasets.schema import SampleError
 
@@ -545,15 +607,31 @@ def parse_judge(data: Any, known: frozenset[str], default_format_ratio: float) -
     parm = {} if parm is None else dict(_object(parm, "reward_verifier_parm", json_string=True))
     step = _int(parm.get("step", 0), "reward_verifier_parm.step", 0)
     total = _int(parm.get("total_steps", 1) or 1, "reward_verifier_parm.total_steps", 1)
-    grid = parm.get("image_grid_thw")
-    if parm.get("det_verifier_normalized") is True and parm.get("image_size") is None and grid:
-        # V-Triune rescales boxes by the model input's size: (t, height, width) in pixels.
-        try:
-            parm["image_size"] = [float(grid[0][2]), float(grid[0][1])]
-        except (TypeError, ValueError, IndexError, KeyError):
+    if data["reward_verifier"] == "detection":
+        grid = parm.get("image_grid_thw")
+        normalized = parm.pop("det_verifier_normalized", False)
+        if not isinstance(normalized, bool):
             raise bad(
-                "reward_verifier_parm.image_grid_thw", f"expected [[t, height, width], ...], got {grid!r}"
-            ) from None
+                "reward_verifier_parm.det_verifier_normalized", f"must be true or false, got {normalized!r}"
+            )
+        ratios = _det_ratios(parm.pop("det_reward_ratio", None))
+        parm.update(
+            style="vtriune",
+            normalized=normalized,
+            iou_threshold=iou_threshold if iou_threshold in ("average", "dynamic") else float(iou_threshold),
+            completeness_weight=ratios.pop("iou_completeness"),
+            weights=ratios,
+        )
+        if normalized and grid:
+            # V-Triune rescales boxes by the model input's size: (t, height, width) in pixels.
+            try:
+                parm["image_size"] = [float(grid[0][2]), float(grid[0][1])]
+            except (TypeError, ValueError, IndexError, KeyError):
+                raise bad(
+                    "reward_verifier_parm.image_grid_thw", f"expected [[t, height, width], ...], got {grid!r}"
+                ) from None
+    elif data["reward_verifier"] == "mathverify":
+        parm["style"] = "vtriune"
     accuracy = _ratio(data.get("accuracy_ratio"), "accuracy_ratio", 1.0, upper=None)
     fmt_key = "format_ratio" if data.get("format_ratio") is not None else "fmt_ratio"
     fmt = _ratio(data.get(fmt_key), fmt_key, default_format_ratio, upper=None)
@@ -604,18 +682,29 @@ def parse_judge(data: Any, known: frozenset[str], default_format_ratio: float) -
     return ParsedBatch([item], ["judge"], [""])
 
 
-def judge_json(result: WireResult) -> dict[str, Any]:
+def judge_json(result: WireResult, verifier: Any = None) -> dict[str, Any]:
+    """V-Triune's answer: `rewards` with exactly its keys for the verifier (`accuracy_reward`,
+    `format_reward`, `reflection_reward`, `final_reward`, and detection's components as
+    `<name>_reward`), plus `error` (null, or why this sample could not be scored: then every
+    reward is 0.0, and the error is counted and logged by the server, never a silent zero)."""
     score, components, error, _, _ = result
-    rewards = {
-        "format_reward": float(components.get("format", 0.0)),
-        "accuracy_reward": float(components.get("accuracy", 0.0)),
-        "reflection_reward": 0.0,
-        "final_reward": float(score),
-    }
-    for key, value in components.items():
-        if key not in ("format", "accuracy") and isinstance(value, (int, float)):
-            rewards[f"{key}_reward"] = float(value)
+    rewards = dict.fromkeys(judge_keys(verifier), 0.0)
+    if error is None:
+        rewards["format_reward"] = float(components.get("format", 0.0))
+        rewards["accuracy_reward"] = float(components.get("accuracy", 0.0))
+        rewards["final_reward"] = float(score)
+        for key in rewards:
+            name = key[: -len("_reward")]
+            if name in components and key not in JUDGE_BASE_KEYS:
+                rewards[key] = float(components[name])
     return {"rewards": rewards, "error": error}
+
+
+def judge_failure_json(data: Any, message: str) -> dict[str, Any]:
+    """The 200 answer for a `/judge` request that cannot be scored at all (V-Triune's trainer
+    reads `rewards` of every answer, and stops on a 4xx): zeros and the reason."""
+    verifier = data.get("reward_verifier") if isinstance(data, dict) else None
+    return {"rewards": dict.fromkeys(judge_keys(verifier), 0.0), "error": message}
 
 
 # ---------------------------------------------------------------------------------------------

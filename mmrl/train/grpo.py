@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mmrl.algos.advantages import GROUP_LOCAL, clip_advantages, get_advantage_estimator
+from mmrl.algos.advantages import GROUP_LOCAL, TOKEN_WEIGHTED, clip_advantages, get_advantage_estimator
 from mmrl.algos.dapo import informative_groups, overlong_penalty, truncation_mask
 from mmrl.algos.kl import kl_estimate, kl_penalized_rewards
 from mmrl.algos.tis import tis_weights
@@ -639,7 +639,9 @@ class StepInputs:
                 kl = kl_estimate(self.old[rows], self.ref[rows], "k1")
                 scores = kl_penalized_rewards(scores, kl, mask.float(), a.kl_coef)
         # d. Advantages within each prompt's group.
-        self.advantages[rows] = compute_advantages(cfg, scores, rewards, ~dropped)
+        self.advantages[rows] = compute_advantages(
+            cfg, scores, rewards, ~dropped, token_counts=mask.sum(dim=1)
+        )
         self.scores[rows] = scores
         self.dropped[rows] = dropped
         # e. Truncated importance sampling against the rollout engine's log-probs.
@@ -800,9 +802,14 @@ def rollout_and_score(
 
 
 def compute_advantages(
-    cfg: Config, scores: torch.Tensor, rewards: RewardBatch, valid: torch.Tensor
+    cfg: Config,
+    scores: torch.Tensor,
+    rewards: RewardBatch,
+    valid: torch.Tensor,
+    token_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[N] advantages by `algo.advantage`; GDPO reads the named reward components separately."""
+    """[N] advantages by `algo.advantage`; GDPO reads the named reward components separately;
+    token-weighted estimators (REINFORCE++-baseline) get each row's loss-token count."""
     a, G = cfg.algo, cfg.rollout.group_size
     estimator = get_advantage_estimator(a.advantage)
     if a.advantage == "gdpo":
@@ -811,7 +818,12 @@ def compute_advantages(
         valid = valid & ~components.isnan().any(dim=1)
         advantages = estimator(components, G, eps=a.adv_eps, valid=valid, weights=a.gdpo_weights or None)
     else:
-        advantages = estimator(scores, G, eps=a.adv_eps, valid=None if bool(valid.all()) else valid)
+        extra = (
+            {"token_counts": token_counts}
+            if a.advantage in TOKEN_WEIGHTED and token_counts is not None
+            else {}
+        )
+        advantages = estimator(scores, G, eps=a.adv_eps, valid=None if bool(valid.all()) else valid, **extra)
     return clip_advantages(advantages, a.adv_clip or None)
 
 
