@@ -23,7 +23,7 @@ from mmrl.eval.curves import (
     saturating_curve,
 )
 from mmrl.eval.runner import add_eval_arguments, run_eval_command
-from mmrl.eval.suite import load_suite
+from mmrl.eval.suite import SuiteError, load_suite
 
 # --------------------------------------------------------------------------- pass@k
 
@@ -79,8 +79,14 @@ def test_pass_at_k_report_compares_a_checkpoint_with_its_base(tmp_path):
         "metric_info": {"field_score_function": {"Answer": "exact_str_match"}},
     }
     (tmp_path / "colour.json").write_text(json.dumps(task))
-    suite = load_suite(tmp_path)
     cfg = EvalConfig(pass_k=4, progress=False)
+    # MEGA-Bench's own scoring (the default) cannot aggregate a field without a weight: refused
+    # up front, naming the task, instead of every sample scoring -1 (pass@k 0) in silence.
+    with pytest.raises(SuiteError, match="colour.*no field weight|no weight.*Answer"):
+        pass_at_k_report(FirstSampleRight(), load_suite(tmp_path), cfg)
+    task["metric_info"]["aggregation"] = {"function": "mean", "field_weights": {"Answer": 1}}
+    (tmp_path / "colour.json").write_text(json.dumps(task))
+    suite = load_suite(tmp_path)
     report = pass_at_k_report(
         FirstSampleRight(), suite, cfg, base=FirstSampleRight(False), out_dir=tmp_path / "out"
     )

@@ -259,7 +259,9 @@ def test_a_metric_whose_package_is_missing_skips_its_queries(tmp_path, monkeypat
     from mmrl.eval.config import EvalConfig
     from mmrl.eval.runner import run_suite
 
-    monkeypatch.setitem(__import__("sys").modules, "rapidfuzz", None)  # import fails
+    # `import rapidfuzz.distance` fails (the submodule too: an earlier test may have imported it)
+    monkeypatch.setitem(__import__("sys").modules, "rapidfuzz", None)
+    monkeypatch.setitem(__import__("sys").modules, "rapidfuzz.distance", None)
     folder = _suite(tmp_path / "suite")
     task = json.loads((folder / "letters.json").read_text())
     task["metric_info"]["field_score_function"] = {"Answer": "normalized_similarity_damerau_levenshtein"}

@@ -251,6 +251,7 @@ def sample_correct_counts(model: Any, suite, cfg: EvalConfig, judge=None) -> dic
     """Per task, for each runnable query: how many of `cfg.pass_k` samples score >= the threshold."""
     from mmrl.eval.runner import (
         as_engine,
+        check_scoring,
         load_judge,
         media_problem,
         query_sample,
@@ -266,7 +267,9 @@ def sample_correct_counts(model: Any, suite, cfg: EvalConfig, judge=None) -> dic
     engine = as_engine(model, cfg.batch_size * n)
     params = SamplingParams(n=n, temperature=cfg.pass_temperature, max_new_tokens=cfg.max_new_tokens)
     counts: dict[str, list[int]] = {}
-    for task, queries in select_queries(suite, cfg.max_queries, cfg.tasks):
+    selected = select_queries(suite, cfg.max_queries, cfg.tasks)
+    check_scoring(suite, selected, cfg.scoring)
+    for task, queries in selected:
         if task.unsupported_metrics() or (task.eval_type == "open" and judge is None):
             continue
         runnable = [q for q in queries if media_problem(task, q) is None]
@@ -275,7 +278,7 @@ def sample_correct_counts(model: Any, suite, cfg: EvalConfig, judge=None) -> dic
             chunk = runnable[start : start + cfg.batch_size]
             texts = engine.generate([query_sample(task, q) for q in chunk], params).texts
             for i, q in enumerate(chunk):
-                scores = [score_response(task, q, t, judge)["score"] for t in texts[i * n : (i + 1) * n]]
+                scores = [score_response(task, q, t, judge, cfg.scoring)["score"] for t in texts[i * n : (i + 1) * n]]
                 counts[task.name].append(sum(1 for s in scores if s >= cfg.pass_threshold))
     return counts
 

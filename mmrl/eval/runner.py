@@ -285,6 +285,31 @@ def _claim_output(folder: Path, model_id: str, suite_path: str, overwrite: bool)
     run_file.write_text(json.dumps({"model": model_id, "suite": suite_path}, indent=1), encoding="utf-8")
 
 
+def check_scoring(suite: Suite, selected: list[tuple[Task, list[Query]]], scoring: str) -> None:
+    """Refuses, before anything runs, a scoring mode that does not exist or (with MEGA-Bench's
+    scoring) a task its aggregation would crash on: a clear error naming the task, not -1s."""
+    if scoring not in SCORING_MODES:
+        raise ValueError(f"unknown scoring {scoring!r} (known: {', '.join(SCORING_MODES)})")
+    if scoring != "megabench":
+        return
+    from mmrl.eval.megabench import check_task
+
+    problems = [
+        p
+        for task, _ in selected
+        if (
+            p := check_task(
+                task.name,
+                task.metric_info.field_score_function,
+                task.metric_info.field_weights,
+                task.metric_info.aggregation,
+            )
+        )
+    ]
+    if problems:
+        raise SuiteError(suite.path, None, "; ".join(problems))
+
+
 def run_suite(
     model: Any,
     suite: Suite | str | Path,
@@ -311,25 +336,7 @@ def run_suite(
     judge_id = cfg.judge or cfg.judge_model or getattr(judge, "__qualname__", type(judge).__name__)
 
     selected = select_queries(suite, cfg.max_queries, cfg.tasks)
-    if cfg.scoring not in SCORING_MODES:
-        raise ValueError(f"unknown scoring {cfg.scoring!r} (known: {', '.join(SCORING_MODES)})")
-    if cfg.scoring == "megabench":
-        from mmrl.eval.megabench import check_task
-
-        problems = [
-            p
-            for task, _ in selected
-            if (
-                p := check_task(
-                    task.name,
-                    task.metric_info.field_score_function,
-                    task.metric_info.field_weights,
-                    task.metric_info.aggregation,
-                )
-            )
-        ]
-        if problems:
-            raise SuiteError(suite.path, None, "; ".join(problems))
+    check_scoring(suite, selected, cfg.scoring)
     skipped: list[dict[str, Any]] = []
     to_generate: list[tuple[Task, Query, str, str]] = []
     to_score: list[tuple[Task, Query, str, str, dict]] = []
