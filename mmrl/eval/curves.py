@@ -278,7 +278,10 @@ def sample_correct_counts(model: Any, suite, cfg: EvalConfig, judge=None) -> dic
             chunk = runnable[start : start + cfg.batch_size]
             texts = engine.generate([query_sample(task, q) for q in chunk], params).texts
             for i, q in enumerate(chunk):
-                scores = [score_response(task, q, t, judge, cfg.scoring)["score"] for t in texts[i * n : (i + 1) * n]]
+                scores = [
+                    score_response(task, q, t, judge, cfg.scoring)["score"]
+                    for t in texts[i * n : (i + 1) * n]
+                ]
                 counts[task.name].append(sum(1 for s in scores if s >= cfg.pass_threshold))
     return counts
 
