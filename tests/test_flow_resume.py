@@ -171,7 +171,16 @@ def test_sigterm_to_the_process_group_checkpoints_exits_cleanly_and_resumes_exac
     args = [*TINY, f"model.cache_dir={cache}", "trainer.total_steps=40"]
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mmrl.cli", "train", "--task", "text_to_image", *args, f"trainer.run_dir={run}"],
+        [
+            sys.executable,
+            "-m",
+            "mmrl.cli",
+            "train",
+            "--task",
+            "text_to_image",
+            *args,
+            f"trainer.run_dir={run}",
+        ],
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -200,3 +209,91 @@ def test_sigterm_to_the_process_group_checkpoints_exits_cleanly_and_resumes_exac
     assert _metrics(run) == _metrics(tmp_path / "whole")
     last = f"checkpoints/step_{stop:08d}"
     _assert_same_checkpoint(run / last, tmp_path / "whole" / last)
+
+
+# --- in-process checks ---------------------------------------------------------------------
+def _cfg(tmp_path: Path, run: str, *overrides: str):
+    return load_flow_config(
+        "text_to_image",
+        overrides=[
+            *TINY,
+            f"model.cache_dir={tmp_path / 'cache'}",
+            f"trainer.run_dir={tmp_path / run}",
+            *overrides,
+        ],
+    )
+
+
+def test_lora_resume_from_an_explicit_checkpoint_is_exact(tmp_path):
+    lora = ["lora.enabled=true", "lora.rank=2", "lora.alpha=4", "optim.lr=0.05", "trainer.checkpoint_every=1"]
+    run_text_to_image(_cfg(tmp_path, "whole", *lora, "trainer.total_steps=2", "trainer.keep_last=0"))
+    whole = tmp_path / "whole" / "checkpoints"
+    names = load_file(whole / "step_00000002" / "model" / "trainable.safetensors").keys()
+    assert names and all("lora" in n for n in names)  # the adapters alone
+    # A copy of the run as it was after step 1, continued from the named checkpoint.
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(whole / "step_00000001", part / "checkpoints" / "step_00000001")
+    lines = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    (part / "metrics.jsonl").write_text(
+        "".join(line + "\n" for line in lines if json.loads(line)["step"] <= 1)
+    )
+    resume = f"trainer.resume={part / 'checkpoints' / 'step_00000001'}"
+    result = run_text_to_image(_cfg(tmp_path, "part", *lora, "trainer.total_steps=2", resume))
+    assert result.steps == 2 and not result.interrupted
+    assert _metrics(part) == _metrics(tmp_path / "whole")
+    _assert_same_checkpoint(part / "checkpoints" / "step_00000002", whole / "step_00000002")
+
+
+def test_resume_refuses_a_changed_config_and_damaged_checkpoints_without_touching_the_run(tmp_path):
+    base = ["trainer.total_steps=1", "sample.eval_num_steps=1"]
+    run_text_to_image(_cfg(tmp_path, "run", *base))
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=r"optim.lr: 0.003 -> 0.1"):
+        run_text_to_image(_cfg(tmp_path, "run", *base, "optim.lr=0.1", "trainer.resume=auto"))
+    with pytest.raises(ValueError, match="already holds a run"):
+        run_text_to_image(_cfg(tmp_path, "run", *base))
+    state = tmp_path / "run" / "checkpoints" / "step_00000001" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # a crash mid-write, or a full disk
+    with pytest.raises(ValueError, match=r"every checkpoint .* is damaged .*trainer_state.pt"):
+        run_text_to_image(_cfg(tmp_path, "run", *base, "trainer.resume=auto"))
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics  # nothing truncated
+    assert state.stat().st_size == 100  # nor overwritten
+
+
+def test_a_failed_checkpoint_write_names_the_folder_and_keeps_the_last_good_one(tmp_path, monkeypatch):
+    import mmrl.train.checkpoint as ck
+
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def full_disk(obj, path, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second checkpoint
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *a, **kw)
+
+    monkeypatch.setattr(ck.torch, "save", full_disk)
+    with pytest.raises(OSError, match=r"step 2 under .*checkpoints failed.*No space left.*step_00000001"):
+        run_text_to_image(_cfg(tmp_path, "run", "trainer.total_steps=2", "trainer.checkpoint_every=1"))
+    assert [c.step for c in list_checkpoints(tmp_path / "run")] == [1]
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp_*"))
+
+
+def test_dump_steps_writes_each_image_with_its_prompt_rewards_and_advantage(tmp_path):
+    from PIL import Image
+
+    result = run_text_to_image(_cfg(tmp_path, "run", "trainer.total_steps=1", "trainer.dump_steps=true"))
+    rows = [
+        json.loads(line) for line in (result.run_dir / "dumps" / "step_000001.jsonl").read_text().splitlines()
+    ]
+    assert len(rows) == 4 and [r["group"] for r in rows] == [0, 0, 1, 1]
+    assert rows[0]["prompt"] == rows[1]["prompt"] != rows[2]["prompt"]
+    (step,) = [r for r in _metrics(result.run_dir) if "reward/mean" in r]
+    assert sum(r["reward"] for r in rows) / 4 == pytest.approx(step["reward/mean"])
+    assert all(r["reward"] == r["rewards"]["jpeg_compressibility"] for r in rows)
+    assert sum(r["advantage"] for r in rows[:2]) == pytest.approx(0, abs=1e-5)  # centred per prompt
+    with Image.open(result.run_dir / rows[3]["image"]) as image:
+        assert image.size == (64, 64)

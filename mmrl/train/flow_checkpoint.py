@@ -49,6 +49,7 @@ EMA_WEIGHTS = "ema.safetensors"
 RESUMABLE_CHANGES = (
     "trainer.total_steps",
     "trainer.resume",
+    "trainer.run_dir",
     "trainer.progress",
     "trainer.threads",
     "trainer.checkpoint_every",
@@ -57,7 +58,8 @@ RESUMABLE_CHANGES = (
     "trainer.save_final",
     "model.cache_dir",
 )
-"""Config keys a resumed run may change (none changes what a step computes)."""
+"""Config keys a resumed run may change (none changes what a step computes; `run_dir`: a
+run folder may be moved or copied)."""
 
 
 @dataclass
@@ -80,7 +82,9 @@ class _Weights:
         from safetensors.torch import save_file
 
         names = trainable_names(self.t)
-        save_file({n: p.detach().cpu().contiguous() for n, p in zip(names, self.t.params)}, Path(folder) / WEIGHTS)
+        save_file(
+            {n: p.detach().cpu().contiguous() for n, p in zip(names, self.t.params)}, Path(folder) / WEIGHTS
+        )
         if self.t.ema is not None:
             shadow = {n: s.detach().cpu().contiguous() for n, s in zip(names, self.t.ema.shadow)}
             save_file(shadow, Path(folder) / EMA_WEIGHTS)
@@ -115,7 +119,13 @@ def write_flow_checkpoint(
     metric = progress.final_reward if progress.final_reward == progress.final_reward else None
     try:
         path = save_checkpoint(
-            run_dir, progress.step, _Weights(t), _NoProcessor(), state, flow_config_to_yaml(cfg), metric=metric
+            run_dir,
+            progress.step,
+            _Weights(t),
+            _NoProcessor(),
+            state,
+            flow_config_to_yaml(cfg),
+            metric=metric,
         )
     except OSError as exc:
         remove_stale_temporaries(run_dir)
@@ -171,12 +181,12 @@ def check_config_unchanged(cfg: FlowConfig, checkpoint: Path) -> None:
     from mmrl.train.flow_config import FlowConfig
 
     saved_yaml = (checkpoint / "config.yaml").read_text()
-    saved = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(FlowConfig), OmegaConf.create(saved_yaml)))
+    saved = OmegaConf.to_container(
+        OmegaConf.merge(OmegaConf.structured(FlowConfig), OmegaConf.create(saved_yaml))
+    )
     now = OmegaConf.to_container(OmegaConf.structured(cfg))
     diffs = [
-        f"{key}: {a!r} -> {b!r}"
-        for key, a, b in _differences(saved, now, "")
-        if key not in RESUMABLE_CHANGES
+        f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(saved, now, "") if key not in RESUMABLE_CHANGES
     ]
     if diffs:
         raise ValueError(
@@ -194,9 +204,7 @@ def _differences(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
     return [] if a == b else [(prefix, a, b)]
 
 
-def restore_flow_checkpoint(
-    path: Path, t: FlowTrainee, order: PromptOrder, progress: FlowProgress
-) -> None:
+def restore_flow_checkpoint(path: Path, t: FlowTrainee, order: PromptOrder, progress: FlowProgress) -> None:
     """Load weights, EMA, optimizer, prompt order, counters and RNG states from `path`."""
     from safetensors.torch import load_file
 
@@ -213,8 +221,10 @@ def restore_flow_checkpoint(
     with torch.no_grad():
         for i, (name, p) in enumerate(zip(names, t.params)):
             if weights[name].shape != p.shape:
-                raise ValueError(f"{path / 'model' / WEIGHTS}: {name} has shape {tuple(weights[name].shape)}, "
-                                 f"the model {tuple(p.shape)}")
+                raise ValueError(
+                    f"{path / 'model' / WEIGHTS}: {name} has shape {tuple(weights[name].shape)}, "
+                    f"the model {tuple(p.shape)}"
+                )
             p.copy_(weights[name])
             if ema is not None:
                 t.ema.shadow[i].copy_(ema[name])
@@ -248,7 +258,9 @@ def write_flow_dump(
     with path.open("w", encoding="utf-8") as f:
         for i, prompt in enumerate(prompts):
             image = folder / f"row_{i:04d}.png"
-            array = (images[i].float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+            array = (
+                (images[i].float().cpu().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+            )
             Image.fromarray(array).save(image)
             row = {
                 "step": step,
