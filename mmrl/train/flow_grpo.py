@@ -178,7 +178,6 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
     # 1. Setup: seeds, threads, prompts (checked before anything is written).
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
-    seed_everything(cfg.trainer.seed)
     train_prompts, eval_prompts = load_prompts(cfg)
     sampler_order = PromptOrder(train_prompts, cfg.trainer.seed)
     checkpoint = None
@@ -197,7 +196,11 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
         if cfg.model.path
         else builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
     )
-    t = make_flow_trainee(cfg, load_flow_pipeline(model_path, DTYPES[cfg.model.dtype]))
+    pipe = load_flow_pipeline(model_path, DTYPES[cfg.model.dtype])
+    # Seeded after the pipeline exists: building the built-in one (first use of a cache) draws
+    # from the global RNG, which must not change the LoRA initialisation or anything after it.
+    seed_everything(cfg.trainer.seed)
+    t = make_flow_trainee(cfg, pipe)
     progress = FlowProgress()
     if checkpoint is not None:
         restore_flow_checkpoint(checkpoint, t, sampler_order, progress)
