@@ -155,16 +155,16 @@ def _train_diffusion(args: argparse.Namespace, overrides: list[str]) -> int:
     from mmrl.train.flow_config import load_flow_config
     from mmrl.train.flow_grpo import run_text_to_image
 
-    if args.resume or args.dump_steps:
-        print("mmrl train: error: --resume and --dump-steps are VLM-trainer options", file=sys.stderr)
-        return 2
     try:
         cfg = load_flow_config(args.task, args.config, overrides)
         result = run_text_to_image(cfg)
     except (ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)
         return 2
-    print(result.summary_line())
+    except OSError as exc:  # e.g. a checkpoint write on a full or read-only disk (the path is named)
+        print(f"mmrl train: stopped: {exc}", file=sys.stderr)
+        return 1
+    print(result.summary_line(args.task))
     return 0
 
 

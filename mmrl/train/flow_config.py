@@ -200,6 +200,16 @@ class FlowTrainerConfig:
     """Save the final pipeline (EMA weights, LoRA merged) under `<run_dir>/final`."""
     progress: bool = True
     """Show a progress bar."""
+    checkpoint_every: int = 0
+    """Write a resumable checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)."""
+    keep_last: int = 2
+    """Checkpoints kept (the newest); 0 keeps all."""
+    resume: str | None = None
+    """`auto`: continue from the newest complete checkpoint in `run_dir` (start fresh if there is
+    none yet); a checkpoint folder: continue from it; None: start fresh."""
+    dump_steps: bool = False
+    """Write every step's images (PNG) and their prompts, rewards and advantages to
+    `<run_dir>/dumps/step_<n>.jsonl` and `<run_dir>/dumps/step_<n>/`."""
 
 
 @dataclass
@@ -265,6 +275,11 @@ class FlowConfig:
             ),
             (0 < t.ema_decay < 1 and t.ema_every >= 1, "trainer.ema_decay must be in (0, 1), ema_every >= 1"),
             (t.eval_size >= 1, "trainer.eval_size must be >= 1"),
+            (t.total_steps >= 1, "trainer.total_steps must be >= 1"),
+            (t.eval_every >= 0, "trainer.eval_every must be >= 0"),
+            (t.checkpoint_every >= 0, "trainer.checkpoint_every must be >= 0 (0: only at the end)"),
+            (t.keep_last >= 0, "trainer.keep_last must be >= 0 (0: keep all)"),
+            (not t.resume or bool(t.run_dir), "trainer.resume needs trainer.run_dir (the run to continue)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -12,7 +12,11 @@ One step (`flow_grpo_step`):
      plus the KL to the reference on the predicted mean; gradients accumulate over the trained
      steps, then one clipped AdamW step and an EMA update
   6. metrics (JSONL + TensorBoard); every `eval_every` steps an ODE-only evaluation with more
-     steps and the EMA weights, its image grid saved as a PNG in the run directory
+     steps and the EMA weights, its image grid saved as a PNG in the run directory; optionally
+     the step's images, rewards and advantages (`trainer.dump_steps`)
+The loop also writes resumable checkpoints (`mmrl.train.flow_checkpoint`) every
+`checkpoint_every` steps, at the end and on SIGINT / SIGTERM, and `trainer.resume` continues
+from one exactly.
 
     from mmrl.train.flow_config import load_flow_config
     from mmrl.train.flow_grpo import run_text_to_image
@@ -40,6 +44,15 @@ from tqdm import tqdm
 from mmrl.algos.sde import clipped_step_loss, flow_grpo_advantages, mean_kl
 from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
 from mmrl.rollout.diffusion import FlowSampler, Trajectory, choose_sde_steps
+from mmrl.train.flow_checkpoint import (
+    FlowProgress,
+    check_config_unchanged,
+    find_flow_checkpoint,
+    remove_stale_temporaries,
+    restore_flow_checkpoint,
+    write_flow_checkpoint,
+    write_flow_dump,
+)
 from mmrl.train.flow_config import FlowConfig, flow_config_to_yaml
 from mmrl.train.metrics_log import MetricsLogger, read_metrics
 
@@ -59,9 +72,16 @@ class FlowTrainResult:
     """Best mean evaluation reward seen at any evaluation (reported, never substituted)."""
     steps: int
     seconds: float
+    interrupted: bool = False
+    """Stopped early by SIGINT / SIGTERM (a checkpoint was written)."""
 
-    def summary_line(self) -> str:
-        """The line `mmrl train --task text_to_image` ends with."""
+    def summary_line(self, task: str = "text_to_image") -> str:
+        """The line `mmrl train --task <task>` ends with."""
+        if self.interrupted:
+            return (
+                f"interrupted at step {self.steps}; checkpoint written. Continue with: mmrl train --task "
+                f"{task} trainer.run_dir={self.run_dir} --resume auto ..."
+            )
         return (
             f"done in {self.seconds:.0f}s: eval reward {self.start_reward:.4f} -> {self.final_reward:.4f} "
             f"({self.final_reward - self.start_reward:+.4f}; best {self.best_reward:.4f}); "
@@ -152,24 +172,45 @@ class FlowTrainee:
 
 def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
     """`mmrl train --task text_to_image`: train, evaluate, save; returns the figures."""
+    from mmrl.train.grpo import StopRequest
+
     t_start = time.monotonic()
     # 1. Setup: seeds, threads, prompts (checked before anything is written).
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
-    seed_everything(cfg.trainer.seed)
     train_prompts, eval_prompts = load_prompts(cfg)
     sampler_order = PromptOrder(train_prompts, cfg.trainer.seed)
+    checkpoint = None
+    if cfg.trainer.resume:  # the checkpoint and its config are checked before anything is written
+        remove_stale_temporaries(Path(cfg.trainer.run_dir))
+        checkpoint = find_flow_checkpoint(cfg, Path(cfg.trainer.run_dir))
+        if checkpoint is not None:
+            check_config_unchanged(cfg, checkpoint)
     run_dir = create_run_dir(cfg)
     (run_dir / "images").mkdir(exist_ok=True)
 
-    # 2. Pipeline, trainable weights (LoRA or all), reference, optimizer, EMA, rewards.
+    # 2. Pipeline, trainable weights (LoRA or all), reference, optimizer, EMA, rewards; then the
+    #    checkpoint's state, if resuming (its weights replace the trained ones, not the reference).
     model_path = (
         Path(cfg.model.path)
         if cfg.model.path
         else builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
     )
-    t = make_flow_trainee(cfg, load_flow_pipeline(model_path, DTYPES[cfg.model.dtype]))
-    metrics_log = MetricsLogger(run_dir)
+    pipe = load_flow_pipeline(model_path, DTYPES[cfg.model.dtype])
+    # Seeded after the pipeline exists: building the built-in one (first use of a cache) draws
+    # from the global RNG, which must not change the LoRA initialisation or anything after it.
+    seed_everything(cfg.trainer.seed)
+    t = make_flow_trainee(cfg, pipe)
+    progress = FlowProgress()
+    if checkpoint is not None:
+        restore_flow_checkpoint(checkpoint, t, sampler_order, progress)
+        log.info("resumed from %s at step %d", checkpoint, progress.step)
+    elif cfg.trainer.resume:
+        log.info("resume=auto: no checkpoint in %s yet; starting fresh", run_dir)
+    # A resumed run drops what the crashed one logged after its checkpoint; `resume=auto` with
+    # no checkpoint yet starts the files over.
+    keep_until = progress.step if checkpoint is not None else (-1 if cfg.trainer.resume else None)
+    metrics_log = MetricsLogger(run_dir, resume_after=keep_until)
     total = cfg.trainer.total_steps
 
     def run_eval(step: int) -> float:
@@ -179,28 +220,50 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
         log.info("step %d: eval reward %.4f", step, metrics["eval/reward/mean"])
         return metrics["eval/reward/mean"]
 
-    # 3. The loop: one flow-GRPO step per rollout batch, ODE evaluation every `eval_every` steps.
+    # 3. The loop: one flow-GRPO step per rollout batch, ODE evaluation every `eval_every` steps,
+    #    a checkpoint every `checkpoint_every` steps, at the end and when SIGINT / SIGTERM asks
+    #    to stop.
+    stop = StopRequest()
+    p = progress
     try:
-        start = best = final = run_eval(0)
-        bar = tqdm(
-            range(1, total + 1), desc="flow-GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True
-        )
-        for step in bar:
-            metrics = flow_grpo_step(cfg, t, sampler_order.next(cfg.trainer.prompts_per_step), step)
-            metrics_log.log(step, metrics)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", eval=f"{final:.3f}")
-            if (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or step == total:
-                final = run_eval(step)
-                best = max(best, final)
-        bar.close()
+        with stop.installed():
+            if checkpoint is None:
+                p.start_reward = p.best_reward = p.final_reward = run_eval(0)
+            bar = tqdm(
+                range(p.step + 1, total + 1),
+                desc="flow-GRPO",
+                disable=not cfg.trainer.progress,
+                dynamic_ncols=True,
+            )
+            for step in bar:
+                prompts = sampler_order.next(cfg.trainer.prompts_per_step)
+                dump_dir = run_dir if cfg.trainer.dump_steps else None
+                metrics = flow_grpo_step(cfg, t, prompts, step, dump_dir=dump_dir)
+                metrics_log.log(step, metrics)
+                p.step = step
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", eval=f"{p.final_reward:.3f}")
+                if (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or step == total:
+                    p.final_reward = run_eval(step)
+                    p.best_reward = max(p.best_reward, p.final_reward)
+                every = cfg.trainer.checkpoint_every
+                if (every and step % every == 0) or step == total or stop.requested:
+                    write_flow_checkpoint(cfg, t, sampler_order, p, run_dir)
+                if stop.requested:
+                    log.warning("stopping at step %d on %s; checkpoint written", step, stop.signal_name)
+                    break
+            bar.close()
     finally:
         metrics_log.close()
 
-    # 4. Final pipeline (EMA weights, LoRA merged), curves, summary.
-    if cfg.trainer.save_final:
+    # 4. Final pipeline (EMA weights, LoRA merged; not for an interrupted run: its checkpoint is
+    #    what continues it), curves, summary.
+    if cfg.trainer.save_final and not stop.requested:
         save_pipeline(cfg, t, run_dir / "final")
     plot_flow_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
-    result = FlowTrainResult(run_dir, start, final, best, total, time.monotonic() - t_start)
+    result = FlowTrainResult(
+        run_dir, p.start_reward, p.final_reward, p.best_reward, p.step, time.monotonic() - t_start,
+        interrupted=stop.requested,
+    )  # fmt: skip
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
     summary["model_path"] = str(model_path)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -209,15 +272,18 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
 
 def create_run_dir(cfg: FlowConfig) -> Path:
     """`trainer.run_dir` (default `runs/<task>-<time>`) with the resolved config; a folder that
-    already holds a run (a non-empty metrics.jsonl) is refused, never appended to. (Like
+    already holds a run (a non-empty metrics.jsonl) is refused unless resuming. (Like
     `mmrl.train.rundir.create_run_dir`, which is typed to the VLM config.)"""
     if cfg.trainer.run_dir:
         path = Path(cfg.trainer.run_dir)
     else:
         path = Path("runs") / f"{cfg.data.task}-{time.strftime('%Y%m%d-%H%M%S')}"
     metrics = path / "metrics.jsonl"
-    if metrics.exists() and metrics.stat().st_size > 0:
-        raise ValueError(f"{path} already holds a run (metrics.jsonl): choose another trainer.run_dir")
+    if not cfg.trainer.resume and metrics.exists() and metrics.stat().st_size > 0:
+        raise ValueError(
+            f"{path} already holds a run (metrics.jsonl): continue it with --resume auto, or choose another "
+            "trainer.run_dir"
+        )
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(flow_config_to_yaml(cfg))
     return path
@@ -286,8 +352,11 @@ def make_rewards(cfg: FlowConfig) -> list:
     return models
 
 
-def flow_grpo_step(cfg: FlowConfig, t: FlowTrainee, prompts: list[str], step: int) -> dict[str, float]:
-    """One flow-GRPO step on B prompts (B x G images); returns its metrics."""
+def flow_grpo_step(
+    cfg: FlowConfig, t: FlowTrainee, prompts: list[str], step: int, dump_dir: Path | None = None
+) -> dict[str, float]:
+    """One flow-GRPO step on B prompts (B x G images); returns its metrics. With `dump_dir`
+    (a run directory) the step's images, rewards and advantages are written under its `dumps/`."""
     s, a = cfg.sample, cfg.algo
     G = s.group_size
     gen = torch.Generator().manual_seed(cfg.trainer.seed * 1_000_003 + step)
@@ -310,6 +379,10 @@ def flow_grpo_step(cfg: FlowConfig, t: FlowTrainee, prompts: list[str], step: in
 
     n = len(rows_prompts)
     grouped = scores @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
+    if dump_dir is not None:
+        write_flow_dump(
+            dump_dir, step, rows_prompts, traj.images, scores, list(cfg.reward.names), grouped, advantages, G
+        )
     metrics.update(reward_metrics)
     metrics.update(
         {
@@ -651,6 +724,20 @@ class PromptOrder:
         self.rng = np.random.default_rng(seed)
         self.order = self.rng.permutation(len(prompts))
         self.cursor = 0
+
+    def state_dict(self) -> dict:
+        """The position in the current pass and the generator of the next ones."""
+        return {"order": self.order.tolist(), "cursor": self.cursor, "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["order"]) != len(self.prompts):
+            raise ValueError(
+                f"the checkpoint's prompt order covers {len(state['order'])} prompts, the data has "
+                f"{len(self.prompts)}: were the training prompts changed?"
+            )
+        self.order = np.asarray(state["order"], dtype=np.int64)
+        self.cursor = int(state["cursor"])
+        self.rng.bit_generator.state = state["rng"]
 
     def next(self, n: int) -> list[str]:
         out = []
