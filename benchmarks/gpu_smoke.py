@@ -41,8 +41,12 @@ def _peak_host_gb() -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a local folder or a hub id (default: the built-in base)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="a local folder or a hub id (default: the built-in base)"
+    )
     parser.add_argument("--steps", type=int, default=4, help="steps in all; the first is the warm-up")
     parser.add_argument("--device", default="auto", help="trainer.device (default auto: the local GPU)")
     parser.add_argument("--dtype", default="auto", help="model.dtype (default auto: bfloat16 on a GPU)")
@@ -65,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     trainee = make_trainee(cfg, policy)
     device = policy.device
     cuda = device.type == "cuda"
-    print(f"device {device} ({torch.cuda.get_device_name(device) if cuda else 'host'}), {policy.precision.describe()}")
+    print(
+        f"device {device} ({torch.cuda.get_device_name(device) if cuda else 'host'}), {policy.precision.describe()}"
+    )
     dtypes: dict[str, int] = {}
     for name, p in policy.model.named_parameters():
         if p.device != device:
@@ -75,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         dtypes[key] = dtypes.get(key, 0) + p.numel()
     for key, n in sorted(dtypes.items()):
         print(f"  parameters {key:<28} {n / 1e6:10.1f} M")
-    before = {n: p.detach().float().cpu().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    before = {
+        n: p.detach().float().cpu().clone() for n, p in policy.model.named_parameters() if p.requires_grad
+    }
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

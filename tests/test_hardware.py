@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -396,6 +397,97 @@ def test_a_checkpoints_sampling_defaults_do_not_change_what_is_sampled(tiny_poli
     torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)
     # With top_k=1 applied, the 6 responses to each prompt would all be the greedy one.
     assert len(set(batch.texts[0::2])) > 1 and len(set(batch.texts[1::2])) > 1
+
+
+# ------------------------------------------------------------------------- flow-GRPO pipeline
+
+FLOW_FAST = [
+    "sample.group_size=2",
+    "sample.num_steps=2",
+    "sample.eval_num_steps=2",
+    "trainer.prompts_per_step=1",
+    "trainer.mini_batches=1",
+    "trainer.progress=false",
+    "trainer.threads=1",
+]
+
+
+def _flow_trainee(cache: str, *overrides: str):
+    from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
+    from mmrl.train.flow_config import load_flow_config
+    from mmrl.train.flow_grpo import flow_precision, make_flow_trainee
+
+    cfg = load_flow_config("text_to_image", overrides=[*FLOW_FAST, f"model.cache_dir={cache}", *overrides])
+    path = builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
+    pipe = load_flow_pipeline(path, flow_precision(cfg).compute)
+    return cfg, make_flow_trainee(cfg, pipe)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_the_flow_pipeline_trains_in_mixed_bfloat16_on_the_cpu(tmp_path, lora):
+    """model.dtype=bfloat16: frozen parts (VAE, text encoders, the LoRA base, the KL reference)
+    in bfloat16, trained weights and AdamW's state float32, the transformer under autocast; a
+    step runs with finite float32 log-probs and changes the trained weights."""
+    from mmrl.train.flow_grpo import flow_grpo_step
+
+    cfg, t = _flow_trainee(
+        str(tmp_path), "model.dtype=bfloat16", f"lora.enabled={str(lora).lower()}", "algo.kl_coef=0.01"
+    )
+    assert all(p.dtype == torch.float32 for p in t.params)
+    frozen = [p for p in t.transformer.parameters() if not p.requires_grad]
+    assert bool(frozen) == lora and all(p.dtype == torch.bfloat16 for p in frozen)
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        module = getattr(t.pipe, name, None)
+        if module is not None:
+            assert {p.dtype for p in module.parameters()} == {torch.bfloat16}, name
+    if not lora:
+        assert {p.dtype for p in t.reference.copy.parameters()} == {torch.bfloat16}
+    assert t.sampler.autocast().fast_dtype == torch.bfloat16  # a real autocast context
+    before = [p.detach().clone() for p in t.params]
+    metrics = flow_grpo_step(cfg, t, ["a red circle"], step=1)
+    assert all(math.isfinite(v) for k, v in metrics.items() if k.startswith("actor/"))
+    assert any(not torch.equal(a, b) for a, b in zip(before, t.params))
+    state = t.optimizer.state[t.params[0]]
+    assert state["exp_avg"].dtype == torch.float32
+
+
+def test_the_flow_pipeline_defaults_to_float32_on_the_cpu(tmp_path):
+    from mmrl.train.flow_grpo import flow_precision
+
+    cfg, t = _flow_trainee(str(tmp_path))
+    precision = flow_precision(cfg)
+    assert (precision.device.type, precision.compute, precision.autocast) == ("cpu", torch.float32, False)
+    assert {p.dtype for p in t.pipe.transformer.parameters()} == {torch.float32}
+    assert {p.device.type for p in t.pipe.transformer.parameters()} == {"cpu"}
+
+
+def test_a_pipeline_hub_id_offline_fails_naming_the_id_and_the_offline_mode(monkeypatch, tmp_path):
+    from mmrl.models.tiny_diffusion import load_flow_pipeline
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError) as err:
+        load_flow_pipeline("mmrl-tests/no-such-pipeline", revision="v2")
+    message = str(err.value)
+    assert "'mmrl-tests/no-such-pipeline'" in message and "'v2'" in message and "HF_HUB_OFFLINE=1" in message
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
+        load_flow_pipeline(tmp_path / "no" / "pipeline")
+
+
+def test_a_pipeline_hub_id_reaches_diffusers_from_pretrained_unchanged(monkeypatch):
+    import diffusers
+
+    from mmrl.models.tiny_diffusion import load_flow_pipeline
+
+    calls = []
+
+    def from_pretrained(source, **kw):
+        calls.append((source, kw.get("revision"), kw.get("dtype"), kw.get("local_files_only")))
+        return "pipeline"
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", from_pretrained)
+    out = load_flow_pipeline("stabilityai/stable-diffusion-3.5-medium", torch.bfloat16, revision="main")
+    assert out == "pipeline"
+    assert calls == [("stabilityai/stable-diffusion-3.5-medium", "main", torch.bfloat16, None)]
 
 
 # ------------------------------------------------------------------------- CUDA only

@@ -238,24 +238,35 @@ def _build_flux(spec: TinyDiffusionSpec):
     )
 
 
-def load_flow_pipeline(path: str | Path, dtype: torch.dtype | None = None):
-    """Load a local diffusers pipeline folder (SD3 / SD3.5 / FLUX, tiny or real) offline.
-
-    The class comes from the folder's `model_index.json`; nothing is downloaded.
-    """
+def load_flow_pipeline(path: str | Path, dtype: torch.dtype | None = None, revision: str | None = None):
+    """A diffusers pipeline (SD3 / SD3.5 / FLUX, tiny or real) from a local folder or a hub id,
+    through diffusers' own `from_pretrained` (the standard cache, `revision`, `HF_HUB_OFFLINE`
+    honoured; offline and not cached: `ModelNotFoundError` saying so). The class comes from the
+    pipeline's `model_index.json`."""
     from diffusers import DiffusionPipeline
 
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
-        raise FileNotFoundError(f"not a diffusers pipeline folder (no model_index.json): {path}")
-    kwargs = {"local_files_only": True}
-    index = json.loads((path / "model_index.json").read_text())
-    # Components saved as None (SD3 without T5) must be passed as None again.
-    kwargs.update({k: None for k, v in index.items() if isinstance(v, list) and v[0] is None})
+    from mmrl.models.loading import HUB_ID, ModelNotFoundError, hub_errors
+
+    source = str(path)
+    local = Path(source).expanduser()
+    kwargs: dict = {"revision": revision}
     if dtype is not None:
         kwargs["dtype"] = dtype
+    if not local.is_dir():
+        if local.exists() or not HUB_ID.fullmatch(source):
+            raise FileNotFoundError(
+                f"not a diffusers pipeline folder (no model_index.json): {source} is no such folder, "
+                "nor a hub id like 'org/name'"
+            )
+        with hub_errors(source, revision):
+            return DiffusionPipeline.from_pretrained(source, **kwargs)
+    if not (local / "model_index.json").is_file():
+        raise ModelNotFoundError(f"not a diffusers pipeline folder (no model_index.json): {local}")
+    index = json.loads((local / "model_index.json").read_text())
+    # Components saved as None (SD3 without T5) must be passed as None again.
+    kwargs.update({k: None for k, v in index.items() if isinstance(v, list) and v[0] is None})
     if index.get("vae", [None, None])[1] != "AutoencoderTiny":
-        return DiffusionPipeline.from_pretrained(str(path), **kwargs)
+        return DiffusionPipeline.from_pretrained(str(local), **kwargs)
     # A tiny VAE in an SD3 / FLUX pipeline is supported (TAESD3 is used so) but diffusers warns
     # that the type hint says AutoencoderKL and that `block_out_channels` is unused: expected.
     from diffusers.utils import logging as diffusers_logging
@@ -263,7 +274,7 @@ def load_flow_pipeline(path: str | Path, dtype: torch.dtype | None = None):
     level = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()
     try:
-        return DiffusionPipeline.from_pretrained(str(path), **kwargs)
+        return DiffusionPipeline.from_pretrained(str(local), **kwargs)
     finally:
         diffusers_logging.set_verbosity(level)
 

@@ -20,7 +20,8 @@ the rollout's log-probs and the trainer's are the same computation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -108,8 +109,16 @@ def choose_sde_steps(
 class FlowSampler:
     """Sampling with per-step log-probs over a StableDiffusion3Pipeline or FluxPipeline."""
 
-    def __init__(self, pipe, max_sequence_length: int = 256):
+    def __init__(
+        self,
+        pipe,
+        max_sequence_length: int = 256,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
+        """`autocast`: the context each transformer call runs in (mixed precision: the trainer
+        passes `Precision.context`)."""
         self.pipe = pipe
+        self.autocast = autocast
         self.family = pipeline_family(pipe)
         self.max_sequence_length = max_sequence_length
         self._image_ids: dict[tuple[int, int], torch.Tensor] = {}
@@ -212,6 +221,20 @@ class FlowSampler:
 
     # --- the model -----------------------------------------------------------------------
     def velocity(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        cond: Conditioning,
+        guidance_scale: float,
+        height: int | None = None,
+        width: int | None = None,
+    ) -> torch.Tensor:
+        """`_velocity` in the sampler's autocast context (see `__init__`)."""
+        with self.autocast():
+            return self._velocity(transformer, latents, timestep, cond, guidance_scale, height, width)
+
+    def _velocity(
         self,
         transformer: torch.nn.Module,
         latents: torch.Tensor,

@@ -44,9 +44,16 @@ class FlowModelConfig:
     """Seed of the built-in tiny pipeline's random weights."""
     cache_dir: str | None = None
     """Where the built-in pipeline is saved; default `$MMRL_CACHE` or `~/.cache/mmrl`."""
-    dtype: str = "float32"
-    """Weights dtype of the loaded pipeline: float32, bfloat16 or float16 (LoRA weights and the
-    SDE arithmetic stay float32)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when `path` is a hub id."""
+    dtype: str = "auto"
+    """Compute dtype (`mmrl.models.precision`): the frozen parts (VAE, text encoders, the LoRA
+    base) are stored in it and the transformer runs under autocast in it; `auto`: bfloat16 on a
+    GPU, float32 on a CPU. float32, bfloat16 or float16. The SDE arithmetic and log-probs stay
+    float32."""
+    master_dtype: str = "auto"
+    """Dtype of the weights that train (LoRA adapters or the whole transformer) and of AdamW's
+    state; `auto`: float32 (mixed precision). Set to `model.dtype` to train in it."""
     max_sequence_length: int = 0
     """T5 tokens per prompt; 0: 256 for a loaded pipeline, 8 for the built-in one (no T5: zeros)."""
 
@@ -174,6 +181,9 @@ class FlowTrainerConfig:
 
     total_steps: int = 100
     """RL steps (one rollout batch each)."""
+    device: str = "auto"
+    """Where the pipeline runs: `auto` (the local GPU, under torchrun the local rank's; else the
+    CPU), or a torch device name."""
     prompts_per_step: int = 4
     """B: prompts per rollout batch (B x G images)."""
     mini_batches: int = 2
@@ -241,8 +251,12 @@ class FlowConfig:
             (self.kind == "diffusion", "kind must be diffusion"),
             (self.model.tiny.family in ("sd3", "flux"), "model.tiny.family must be sd3 or flux"),
             (
-                self.model.dtype in ("float32", "bfloat16", "float16"),
-                "model.dtype must be float32, bfloat16 or float16",
+                self.model.dtype in ("auto", "float32", "bfloat16", "float16"),
+                "model.dtype must be auto, float32, bfloat16 or float16",
+            ),
+            (
+                self.model.master_dtype in ("auto", "float32", "bfloat16", "float16"),
+                "model.master_dtype must be auto, float32, bfloat16 or float16",
             ),
             (s.group_size >= 2, "sample.group_size must be >= 2 (advantages are relative to the group)"),
             (s.num_steps >= 1 and s.eval_num_steps >= 1, "sample.num_steps and eval_num_steps must be >= 1"),

@@ -42,6 +42,7 @@ import torch
 from tqdm import tqdm
 
 from mmrl.algos.sde import clipped_step_loss, flow_grpo_advantages, mean_kl
+from mmrl.models.precision import Precision, place, precision_from
 from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
 from mmrl.rollout.diffusion import FlowSampler, Trajectory, choose_sde_steps
 from mmrl.train.flow_checkpoint import (
@@ -57,8 +58,6 @@ from mmrl.train.flow_config import FlowConfig, flow_config_to_yaml
 from mmrl.train.metrics_log import MetricsLogger, read_metrics
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -132,9 +131,13 @@ class Reference:
     pass (no second copy); with full fine-tuning it is a frozen copy made before training.
     """
 
-    def __init__(self, transformer: torch.nn.Module, lora: bool):
+    def __init__(self, transformer: torch.nn.Module, lora: bool, dtype: torch.dtype | None = None):
         self.transformer = transformer
-        self.copy = None if lora else copy.deepcopy(transformer).eval().requires_grad_(False)
+        self.copy = None
+        if not lora:  # frozen: stored in the compute dtype, like the pipeline's other frozen parts
+            self.copy = copy.deepcopy(transformer).eval().requires_grad_(False)
+            if dtype is not None:
+                self.copy.to(dtype=dtype)
         self.lora_layers = []
         if lora:
             from peft.tuners.tuners_utils import BaseTunerLayer
@@ -196,7 +199,8 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
         if cfg.model.path
         else builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
     )
-    pipe = load_flow_pipeline(model_path, DTYPES[cfg.model.dtype])
+    precision = flow_precision(cfg)
+    pipe = load_flow_pipeline(model_path, precision.compute, revision=cfg.model.revision)
     # Seeded after the pipeline exists: building the built-in one (first use of a cache) draws
     # from the global RNG, which must not change the LoRA initialisation or anything after it.
     seed_everything(cfg.trainer.seed)
@@ -289,10 +293,18 @@ def create_run_dir(cfg: FlowConfig) -> Path:
     return path
 
 
+def flow_precision(cfg: FlowConfig) -> Precision:
+    """The pipeline's device and dtypes from `trainer.device`, `model.dtype`, `model.master_dtype`
+    (`mmrl.models.precision`: the same rules as the VLM trainer's)."""
+    return precision_from(cfg.trainer.device, cfg.model.dtype, cfg.model.master_dtype)
+
+
 def make_flow_trainee(cfg: FlowConfig, pipe) -> FlowTrainee:
-    """Freeze what is not trained, add LoRA (or unfreeze the transformer), build the rest."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    pipe.to(device)
+    """Freeze what is not trained, add LoRA (or unfreeze the transformer), place everything on
+    the device in its dtype (frozen parts in the compute dtype, trained weights in the master
+    dtype), build the rest."""
+    precision = flow_precision(cfg)
+    pipe.to(precision.device)
     pipe.set_progress_bar_config(disable=True)
     for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         module = getattr(pipe, name, None)
@@ -311,11 +323,14 @@ def make_flow_trainee(cfg: FlowConfig, pipe) -> FlowTrainee:
                 target_modules=list(cfg.lora.target_modules),
             )
         )
-        for p in transformer.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
     else:
         transformer.requires_grad_(True)
+    place(transformer, precision)
+    for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            module.to(device=precision.device, dtype=precision.compute)
+    log.info("flow pipeline: %s", precision.describe())
     params = [p for p in transformer.parameters() if p.requires_grad]
     if not params:
         raise ValueError(
@@ -328,10 +343,12 @@ def make_flow_trainee(cfg: FlowConfig, pipe) -> FlowTrainee:
     msl = cfg.model.max_sequence_length or (8 if cfg.model.path is None else 256)
     return FlowTrainee(
         pipe=pipe,
-        sampler=FlowSampler(pipe, max_sequence_length=msl),
+        sampler=FlowSampler(pipe, max_sequence_length=msl, autocast=precision.context),
         transformer=transformer,
         params=params,
-        reference=Reference(transformer, cfg.lora.enabled) if cfg.algo.kl_coef > 0 else None,
+        reference=Reference(transformer, cfg.lora.enabled, precision.compute)
+        if cfg.algo.kl_coef > 0
+        else None,
         optimizer=optimizer,
         ema=EMA(params, cfg.trainer.ema_decay) if cfg.trainer.ema else None,
         rewards=make_rewards(cfg),
