@@ -524,3 +524,15 @@ def test_on_a_gpu_the_log_prob_pass_peaks_at_a_few_chunks():
     peak = torch.cuda.max_memory_allocated() - base
     full = T * V * 4
     assert peak < full / 8, (peak, full)
+
+
+def test_the_optimizers_are_fused_where_torch_has_the_kernel(tmp_path):
+    """AdamW's default implementations allocate temporaries the size of the optimizer state
+    (the multi-tensor one, a GPU's default, for all parameters at once); the fused one does not."""
+    from mmrl.models.precision import adamw
+
+    linear = torch.nn.Linear(4, 4)
+    assert adamw(linear.parameters(), lr=1e-3).defaults["fused"] is True
+    assert adamw([{"params": list(linear.parameters()), "lr": 1e-3}], lr=1e-3).defaults["fused"] is True
+    _, t = _flow_trainee(str(tmp_path))
+    assert t.optimizer.defaults["fused"] is True

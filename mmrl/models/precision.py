@@ -129,3 +129,18 @@ def model_device(model: torch.nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """AdamW, fused (one kernel per parameter group, no temporaries) where torch has the fused
+    kernel for every parameter (CUDA and CPU tensors of a floating dtype). The default
+    implementations allocate a temporary the size of the state they update: the multi-tensor
+    one (the default on a GPU) for all parameters at once, which for a 7B model with float32
+    master weights is another 28 GB at every step."""
+    groups = list(params)
+    tensors = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+    fused = bool(tensors) and all(
+        type(p) is torch.nn.Parameter and p.device.type in ("cuda", "cpu") and p.is_floating_point()
+        for p in tensors
+    )
+    return torch.optim.AdamW(groups, fused=fused or None, **kwargs)

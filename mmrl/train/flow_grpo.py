@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from mmrl.algos.sde import clipped_step_loss, flow_grpo_advantages, mean_kl
-from mmrl.models.precision import Precision, place, precision_from
+from mmrl.models.precision import Precision, adamw, place, precision_from
 from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
 from mmrl.rollout.diffusion import FlowSampler, Trajectory, choose_sde_steps
 from mmrl.train.flow_checkpoint import (
@@ -337,9 +337,7 @@ def make_flow_trainee(cfg: FlowConfig, pipe) -> FlowTrainee:
             f"no trainable parameters: lora.target_modules {cfg.lora.target_modules} matched nothing"
         )
     o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps
-    )
+    optimizer = adamw(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
     msl = cfg.model.max_sequence_length or (8 if cfg.model.path is None else 256)
     return FlowTrainee(
         pipe=pipe,

@@ -43,7 +43,7 @@ from mmrl.config import Config, config_to_yaml
 from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_for_saving, param_groups
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
-from mmrl.models.precision import Precision, place, precision_from
+from mmrl.models.precision import Precision, adamw, place, precision_from
 from mmrl.rewards.config import accelerator_device, build_reward_models
 from mmrl.rewards.placement import RewardPlacement
 from mmrl.rewards.router_bridge import score_model_rewards
@@ -419,7 +419,7 @@ def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Tr
     precision, engine, router, optimizer (a parameter group per part, each with its learning
     rate)."""
     reference = prepare_policy(cfg, policy)
-    optimizer = torch.optim.AdamW(
+    optimizer = adamw(
         param_groups(policy.model, cfg),
         lr=cfg.optim.lr,
         betas=tuple(cfg.optim.betas),
