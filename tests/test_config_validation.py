@@ -77,7 +77,11 @@ def test_zero_keeps_its_documented_meaning_where_it_has_one(override):
     load_config("vision_reasoning", overrides=[override])
 
 
-def test_a_mistyped_advantage_is_refused_before_the_run_folder_exists(capsys, tmp_path):
+def test_a_mistyped_advantage_is_refused_before_the_run_folder_exists(capsys, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the run went on to load the model")
+
+    monkeypatch.setattr("mmrl.train.grpo.builtin_base", refuse)
     err = _cli_error(capsys, "algo.advantage=gpro", f"trainer.run_dir={tmp_path / 'run'}")
     assert "algo.advantage" in err and "'gpro'" in err and "grpo" in err
     assert not (tmp_path / "run").exists()

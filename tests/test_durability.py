@@ -47,6 +47,16 @@ class _Weights:
         (Path(folder) / "config.json").write_text("{}")
 
 
+@pytest.fixture()
+def no_model(monkeypatch):
+    """A run that gets past its checks fails at once instead of building the base model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the run went on to load the model instead of refusing")
+
+    monkeypatch.setattr("mmrl.train.grpo.builtin_base", refuse)
+
+
 def _cfg(run_dir: Path, *overrides: str):
     return load_config("vision_reasoning", overrides=[*SMALL, f"trainer.run_dir={run_dir}", *overrides])
 
@@ -114,7 +124,7 @@ def test_a_full_disk_during_torch_save_names_the_path_and_keeps_the_last_good_ch
     assert _digest(good) == before and verify_checkpoint(good) is None
 
 
-def test_a_read_only_run_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+def test_a_read_only_run_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch, no_model):
     run_dir = tmp_path / "run"
     real_open = pathlib.Path.open
 
@@ -196,7 +206,7 @@ def test_a_file_missing_from_the_manifest_is_damage(tmp_path):
     assert "model/model.safetensors" in verify_checkpoint(newest)
 
 
-def test_resume_auto_refuses_when_every_checkpoint_is_damaged_and_changes_nothing(tmp_path):
+def test_resume_auto_refuses_when_every_checkpoint_is_damaged_and_changes_nothing(tmp_path, no_model):
     run_dir = tmp_path / "run"
     cfg = _cfg(run_dir)
     run_dir.mkdir()
@@ -217,7 +227,7 @@ def test_resume_auto_refuses_when_every_checkpoint_is_damaged_and_changes_nothin
     assert _digest(run_dir) == before  # metrics, config and checkpoints untouched
 
 
-def test_resuming_with_a_changed_config_is_refused_with_the_differences(tmp_path):
+def test_resuming_with_a_changed_config_is_refused_with_the_differences(tmp_path, no_model):
     run_dir = tmp_path / "run"
     cfg = _cfg(run_dir)
     create_run_dir(cfg)
