@@ -582,12 +582,32 @@ def load_structured(
         try:
             dotlist = OmegaConf.from_dotlist(list(overrides))
         except Exception as exc:  # noqa: BLE001 - OmegaConf and YAML errors alike, on one line
-            raise ValueError(f"invalid override in {list(overrides)}: {_one_line(exc)}") from None
+            raise _config_error(f"invalid override in {list(overrides)}: {_one_line(exc)}", exc) from None
         merged = _merge(merged, dotlist, "overrides")
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        raise ValueError(f"invalid config: {_describe(exc)}") from None
+        raise _config_error(f"invalid config: {_describe(exc)}", exc) from None
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded; the message is one line naming the file or key."""
+
+
+_COMPAT: dict[type, type] = {}
+
+
+def _config_error(message: str, exc: BaseException | None = None) -> ConfigError:
+    """A `ConfigError` that is also an instance of OmegaConf's exception class (`exc`'s), so
+    callers catching either keep working."""
+    if exc is None or not isinstance(exc, OmegaConfBaseException):
+        return ConfigError(message)
+    base = type(exc)
+    if base not in _COMPAT:
+        _COMPAT[base] = type(base.__name__, (ConfigError, base), {"__str__": lambda self: self.args[0]})
+    err = _COMPAT[base](message)
+    err.full_key = getattr(exc, "full_key", None)
+    return err
 
 
 def _one_line(exc: BaseException) -> str:
@@ -612,7 +632,7 @@ def _merge(base: Any, extra: Any, where: str) -> Any:
     try:
         return OmegaConf.merge(base, extra)
     except OmegaConfBaseException as exc:
-        raise ValueError(f"{where}: {_describe(exc)}") from None
+        raise _config_error(f"{where}: {_describe(exc)}", exc) from None
 
 
 def _documented_fields(cls: type) -> set[str]:
@@ -676,9 +696,9 @@ def _yaml(text: str, where: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or _one_line(exc)
-        raise ValueError(f"{where}{at}: invalid YAML: {problem}") from None
+        raise ConfigError(f"{where}{at}: invalid YAML: {problem}") from None
     except OmegaConfBaseException as exc:
-        raise ValueError(f"{where}: {_describe(exc)}") from None
+        raise _config_error(f"{where}: {_describe(exc)}", exc) from None
     if conf is None or not isinstance(conf, type(OmegaConf.create({}))):
         raise ValueError(f"{where}: expected a mapping at the top level")
     return conf

@@ -207,7 +207,10 @@ def verify_checkpoint(path: Path) -> str | None:
     unlisted = sorted(
         str(p.relative_to(path))
         for p in path.rglob("*")
-        if p.is_file() and p.name != MANIFEST and str(p.relative_to(path)) not in files
+        if p.is_file()
+        and p.name != MANIFEST
+        and not p.name.startswith(".")  # .DS_Store, .nfs* and the like are not checkpoint files
+        and str(p.relative_to(path)) not in files
     )
     if unlisted:
         return f"files not in the manifest: {', '.join(unlisted[:5])}"
