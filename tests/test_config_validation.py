@@ -85,3 +85,19 @@ def test_a_mistyped_advantage_is_refused_before_the_run_folder_exists(capsys, tm
     err = _cli_error(capsys, "algo.advantage=gpro", f"trainer.run_dir={tmp_path / 'run'}")
     assert "algo.advantage" in err and "'gpro'" in err and "grpo" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_eval_suite_is_refused_before_the_run_folder_exists(capsys, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the run went on to load the model")
+
+    monkeypatch.setattr("mmrl.train.grpo.builtin_base", refuse)
+    err = _cli_error(
+        capsys,
+        f"trainer.eval_suite={tmp_path / 'no_suite'}",
+        "data.num_train=8",
+        "data.num_heldout=4",
+        f"trainer.run_dir={tmp_path / 'run'}",
+    )
+    assert "trainer.eval_suite" in err and "no_suite" in err
+    assert not (tmp_path / "run").exists()

@@ -64,7 +64,7 @@ from mmrl.train.dumps import write_step_dump
 from mmrl.train.evaluation import evaluate
 from mmrl.train.metrics_log import MetricsLogger
 from mmrl.train.plots import plot_training_curves
-from mmrl.train.preflight import plan_resume
+from mmrl.train.preflight import check_paths, plan_resume
 from mmrl.train.rundir import create_run_dir, run_dir_path
 from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
@@ -177,6 +177,7 @@ def train(cfg: Config) -> TrainResult:
     sampler = PromptSampler(train_samples, seed=cfg.trainer.seed, cot_pool=cot_pool(cfg))
     # The checkpoint to resume from, if any: refused here (all damaged, config changed) before
     # the run directory is touched.
+    check_paths(cfg)
     run_dir = run_dir_path(cfg)
     resume_path = plan_resume(cfg, run_dir)
     run_dir = create_run_dir(cfg, run_dir)

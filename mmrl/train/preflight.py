@@ -118,3 +118,11 @@ def plan_resume(cfg: Config, run_dir: Path) -> Path | None:
             raise ValueError(f"trainer.resume={path}: not a usable checkpoint: {problem}")
     check_resume_config(cfg, path)
     return path
+
+
+def check_paths(cfg: Config) -> None:
+    """Paths the run reads later must exist now (a missing one would stop the run after the
+    step-0 evaluation, leaving a run folder that a rerun then refuses)."""
+    suite = cfg.trainer.eval_suite
+    if suite and suite != "builtin" and not Path(suite).exists():
+        raise ValueError(f"trainer.eval_suite: {suite} does not exist (a suite folder or file, or `builtin`)")
