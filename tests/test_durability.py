@@ -308,3 +308,40 @@ def test_an_empty_sample_file_is_an_error_naming_it_even_among_good_ones(tmp_pat
     )
     with pytest.raises(SampleError, match="empty.jsonl"):
         load_data(cfg)
+
+
+@pytest.mark.slow
+def test_a_run_whose_disk_fills_during_a_checkpoint_stops_clearly_and_resumes(
+    mmrl_cache, tmp_path, monkeypatch
+):
+    run_dir = tmp_path / "run"
+    args = [
+        "trainer.prompts_per_step=4",
+        "rollout.group_size=2",
+        "trainer.eval_size=8",
+        "trainer.eval_every=3",
+        "trainer.save_final=false",
+        "trainer.threads=1",
+        "trainer.total_steps=3",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_last=0",
+    ]
+    real_save, calls = torch.save, []
+
+    def fills_at_the_second(obj, f, *a, **kw):
+        calls.append(f)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", fills_at_the_second)
+    with pytest.raises(StorageError, match="step 2 .*no space left.*step_00000001 is intact"):
+        train(_cfg(run_dir, *args))
+    assert [c.step for c in list_checkpoints(run_dir)] == [1]
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+
+    monkeypatch.setattr(torch, "save", real_save)
+    result = train(_cfg(run_dir, *args, "trainer.resume=auto"))
+    assert result.steps == 3
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if s > 0] == [1, 2, 3, 3]  # step 3: the step's metrics and the evaluation
