@@ -124,6 +124,23 @@ def test_a_full_disk_during_torch_save_names_the_path_and_keeps_the_last_good_ch
     assert _digest(good) == before and verify_checkpoint(good) is None
 
 
+def test_a_full_disk_while_safetensors_writes_the_weights_names_the_cause(tmp_path):
+    from safetensors import SafetensorError
+
+    class FullDiskWeights(_Weights):
+        def save_pretrained(self, folder: Path) -> None:
+            (Path(folder) / "model.safetensors").write_bytes(b"w" * 10)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    run_dir = tmp_path / "run"
+    good = _save(run_dir, 1)
+    state = {"optimizer": {}, "progress": {"step": 2}}
+    with pytest.raises(StorageError, match="step 2 .*no space left on the device.*ENOSPC"):
+        save_checkpoint(run_dir, 2, FullDiskWeights(), _Weights(), state, "a: 1\n")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000001"]
+    assert verify_checkpoint(good) is None
+
+
 def test_a_read_only_run_folder_is_refused_before_anything_is_written(tmp_path, monkeypatch, no_model):
     run_dir = tmp_path / "run"
     real_open = pathlib.Path.open

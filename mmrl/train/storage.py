@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,23 +77,40 @@ def storage_errors(what: str, path: Path | str, after: str = "") -> Iterator[Non
         yield
     except StorageError:
         raise
-    except (OSError, RuntimeError) as exc:
-        if isinstance(exc, RuntimeError) and not _is_write_failure(exc):
+    except Exception as exc:
+        if not isinstance(exc, OSError) and not _is_write_failure(exc):
             raise
-        cause = describe_cause(exc, path)
+        cause = describe_cause(_as_os_error(exc), path)
         message = f"cannot {what} {path}: {cause}"
         if after:
             message += f". {after}"
         raise StorageError(message, path, cause) from exc
 
 
-def _is_write_failure(exc: RuntimeError) -> bool:
-    """torch.save's writer reports a failed write as a RuntimeError from its C++ stream."""
+_RUST_IO = re.compile(r"\(os error (\d+)\)")
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    """torch.save's writer reports a failed write as a RuntimeError from its C++ stream;
+    safetensors (Rust) as a `SafetensorError` carrying "(os error N)"."""
     text = str(exc)
-    return any(
+    if isinstance(exc, RuntimeError) and any(
         marker in text
         for marker in ("inline_container", "unexpected pos", "file write failed", "PytorchStreamWriter")
-    )
+    ):
+        return True
+    return _RUST_IO.search(text) is not None
+
+
+def _as_os_error(exc: BaseException) -> BaseException:
+    """An `OSError` with the errno a Rust I/O error names ("(os error 28)"), else `exc`."""
+    if isinstance(exc, OSError):
+        return exc
+    match = _RUST_IO.search(str(exc))
+    if match is None:
+        return exc
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def check_writable(folder: Path | str) -> None:
