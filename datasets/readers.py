@@ -5,27 +5,35 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmrl.datasets.schema import SampleError, sample_from_record
+from mmrl.datasets.schema import MAX_PROMPT_CHARS, SampleError, sample_from_record
 from mmrl.types import Sample
 
 
-def read_samples(path: str | Path, check_images: bool = True) -> list[Sample]:
+def read_samples(
+    path: str | Path, check_images: bool = True, max_prompt_chars: int = MAX_PROMPT_CHARS
+) -> list[Sample]:
     """Read and validate every sample in a `.jsonl` / `.json` / `.parquet` file.
 
     Relative image paths are resolved against the file's folder. The first bad record stops
-    the read with a `SampleError` naming the file, line (or row), id and field. Duplicate ids
-    are an error too: metrics, dumps and resumption all key on them.
+    the read with a `SampleError` naming the file, line (or row), id and field; so do bytes
+    that are not UTF-8 and a file with no records at all. Duplicate ids are an error too:
+    metrics, dumps and resumption all key on them. Prompts longer than `max_prompt_chars`
+    characters are refused.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"sample file not found: {path}")
+    if path.is_dir():
+        raise ValueError(f"{path}: is a folder, not a sample file")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        samples = list(_read_parquet(path, check_images))
+        samples = list(_read_parquet(path, check_images, max_prompt_chars))
     elif suffix in (".jsonl", ".json"):
-        samples = list(_read_jsonl(path, check_images))
+        samples = list(_read_jsonl(path, check_images, max_prompt_chars))
     else:
         raise ValueError(f"{path}: unsupported sample file type {suffix!r} (use .jsonl or .parquet)")
+    if not samples:
+        raise SampleError(str(path), "<file>", "no records (an empty file)")
     seen: dict[str, int] = {}
     for i, sample in enumerate(samples):
         if sample.id in seen:
@@ -39,16 +47,32 @@ def read_samples(path: str | Path, check_images: bool = True) -> list[Sample]:
     return samples
 
 
-def _read_jsonl(path: Path, check_images: bool):
-    with path.open("r", encoding="utf-8") as f:
-        text = f.read()
+def _decode(path: Path) -> str:
+    """The file's text; bytes that are not UTF-8 are a `SampleError` naming the line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise SampleError(
+            f"{path}:{lineno}",
+            "<record>",
+            f"not UTF-8 text: byte 0x{data[exc.start]:02x} at column {column} (byte offset {exc.start})",
+        ) from None
+
+
+def _read_jsonl(path: Path, check_images: bool, max_prompt_chars: int = MAX_PROMPT_CHARS):
+    text = _decode(path)
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)
         except json.JSONDecodeError as exc:
             raise SampleError(f"{path}:{exc.lineno}", "<record>", f"invalid JSON: {exc.msg}") from None
         for i, record in enumerate(records):
-            yield sample_from_record(record, f"{path} record {i + 1}", path.parent, check_images)
+            yield sample_from_record(
+                record, f"{path} record {i + 1}", path.parent, check_images, max_prompt_chars
+            )
         return
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -57,15 +81,21 @@ def _read_jsonl(path: Path, check_images: bool):
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise SampleError(f"{path}:{lineno}", "<record>", f"invalid JSON: {exc.msg}") from None
-        yield sample_from_record(record, f"{path}:{lineno}", path.parent, check_images)
+        except RecursionError:
+            raise SampleError(f"{path}:{lineno}", "<record>", "invalid JSON: nested too deeply") from None
+        yield sample_from_record(record, f"{path}:{lineno}", path.parent, check_images, max_prompt_chars)
 
 
-def _read_parquet(path: Path, check_images: bool):
+def _read_parquet(path: Path, check_images: bool, max_prompt_chars: int = MAX_PROMPT_CHARS):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise SampleError(str(path), "<file>", f"not a readable Parquet file ({exc})") from None
     for i, record in enumerate(table.to_pylist()):
-        yield sample_from_record(record, f"{path} row {i}", path.parent, check_images)
+        yield sample_from_record(record, f"{path} row {i}", path.parent, check_images, max_prompt_chars)
 
 
 def write_jsonl(samples: list[Sample], path: str | Path) -> None:

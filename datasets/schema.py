@@ -21,6 +21,10 @@ from mmrl.types import IMAGE_PLACEHOLDER, ImageError, ImageSource, RewardSpec, S
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/=\s]+")
 
+MAX_PROMPT_CHARS = 200_000
+"""Default limit on a record's prompt text (all messages together), in characters: a longer one
+is refused at load time instead of dying later inside the tokenizer (`data.max_prompt_chars`)."""
+
 
 class SampleError(ValueError):
     """A record that is not a valid sample. The message says where and which field."""
@@ -39,6 +43,7 @@ def sample_from_record(
     where: str,
     base_dir: Path | None = None,
     check_images: bool = True,
+    max_prompt_chars: int = MAX_PROMPT_CHARS,
 ) -> Sample:
     """Validate one record and turn it into a `Sample`.
 
@@ -47,6 +52,7 @@ def sample_from_record(
         where: location for error messages, e.g. `"train.jsonl:17"`.
         base_dir: folder that relative image paths are resolved against.
         check_images: decode every image once to prove it is readable.
+        max_prompt_chars: refuse a prompt whose text (all messages) is longer than this.
     """
     if not isinstance(record, dict):
         raise SampleError(where, "<record>", f"expected a JSON object, got {type(record).__name__}")
@@ -75,6 +81,18 @@ def sample_from_record(
         raise fail("extra_info.id", "missing (every sample needs a unique id)")
 
     prompt = _check_prompt(record["prompt"], fail)
+    n_chars = sum(
+        len(m["content"])
+        if isinstance(m["content"], str)
+        else sum(len(part.get("text") or "") for part in m["content"] if part.get("type") == "text")
+        for m in prompt
+    )
+    if n_chars > max_prompt_chars:
+        raise fail(
+            "prompt",
+            f"{n_chars:,} characters of text, more than the limit of {max_prompt_chars:,} "
+            "(data.max_prompt_chars)",
+        )
     images = _check_images(record.get("images") or [], base_dir, check_images, fail)
     n_placeholders = sum(
         m["content"].count(IMAGE_PLACEHOLDER)

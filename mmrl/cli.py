@@ -196,6 +196,7 @@ def _train(args: argparse.Namespace) -> int:
     from mmrl.config import load_config
     from mmrl.datasets.schema import SampleError
     from mmrl.train.grpo import train
+    from mmrl.train.storage import StorageError
 
     overrides = list(args.overrides)
     if args.model:
@@ -214,6 +215,9 @@ def _train(args: argparse.Namespace) -> int:
     except (SampleError, ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)
         return 2
+    except StorageError as exc:  # a full disk, a read-only run folder: path and cause named
+        print(f"mmrl train: error: {exc}", file=sys.stderr)
+        return 1
     except RuntimeError as exc:  # e.g. too many non-finite steps in a row
         print(f"mmrl train: stopped: {exc}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from mmrl.models.precision import DTYPES
 from mmrl.models.tiny import TinyVLMSpec
@@ -122,6 +123,9 @@ class DataConfig:
     built-in pool) to every math-ability prompt (V-Triune's randomised prompt pool)."""
     cot_prompt_pool: list[str] = field(default_factory=list)
     """Instructions to draw from; empty: `mmrl.train.data.DEFAULT_COT_PROMPTS`."""
+    max_prompt_chars: int = 200_000
+    """A sample file's record whose prompt text is longer than this many characters is refused
+    when the file is loaded (naming file, line and id), not deep inside the tokenizer later."""
 
 
 @dataclass
@@ -372,7 +376,47 @@ class Config:
     """The loop: steps, batch sizes, evaluation, run directory."""
 
     def __post_init__(self) -> None:
+        t, d, r = self.trainer, self.data, self.rollout
         checks = [
+            (t.total_steps >= 1, f"trainer.total_steps must be >= 1, got {t.total_steps}"),
+            (t.eval_every >= 1, f"trainer.eval_every must be >= 1, got {t.eval_every}"),
+            (
+                t.checkpoint_every >= 0,
+                f"trainer.checkpoint_every must be >= 0 (0: only at the end), got {t.checkpoint_every}",
+            ),
+            (t.keep_last >= 0, f"trainer.keep_last must be >= 0 (0: keep all), got {t.keep_last}"),
+            (t.eval_size >= 0, f"trainer.eval_size must be >= 0 (0: all), got {t.eval_size}"),
+            (t.ppo_epochs >= 1, f"trainer.ppo_epochs must be >= 1, got {t.ppo_epochs}"),
+            (
+                t.max_consecutive_skips >= 1,
+                f"trainer.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}",
+            ),
+            (t.micro_batch_rows >= 0, f"trainer.micro_batch_rows must be >= 0, got {t.micro_batch_rows}"),
+            (t.eval_suite_every >= 1, f"trainer.eval_suite_every must be >= 1, got {t.eval_suite_every}"),
+            (
+                t.eval_suite_max_queries is None or t.eval_suite_max_queries >= 1,
+                "trainer.eval_suite_max_queries must be >= 1 (or null: all)",
+            ),
+            (t.threads >= 0, f"trainer.threads must be >= 0, got {t.threads}"),
+            (r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}"),
+            (r.max_batch_rows >= 1, f"rollout.max_batch_rows must be >= 1, got {r.max_batch_rows}"),
+            (d.num_train >= 0 and d.num_heldout >= 0, "data.num_train and data.num_heldout must be >= 0"),
+            (d.image_size >= 1, f"data.image_size must be >= 1, got {d.image_size}"),
+            (d.max_prompt_chars >= 1, f"data.max_prompt_chars must be >= 1, got {d.max_prompt_chars}"),
+            (self.optim.lr > 0, f"optim.lr must be > 0, got {self.optim.lr}"),
+            (self.optim.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.optim.warmup_steps}"),
+            (self.optim.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0: off), got {self.optim.grad_clip}"),
+            (len(self.optim.betas) == 2, f"optim.betas must be two numbers, got {self.optim.betas}"),
+            (
+                self.algo.max_resample_batches >= 0,
+                f"algo.max_resample_batches must be >= 0, got {self.algo.max_resample_batches}",
+            ),
+            (
+                self.algo.overlong_buffer >= 0,
+                f"algo.overlong_buffer must be >= 0, got {self.algo.overlong_buffer}",
+            ),
+            (self.algo.adv_clip >= 0, f"algo.adv_clip must be >= 0 (0: off), got {self.algo.adv_clip}"),
+            (self.algo.kl_coef >= 0, f"algo.kl_coef must be >= 0, got {self.algo.kl_coef}"),
             (self.rollout.group_size >= 1, "rollout.group_size must be >= 1"),
             (self.rollout.temperature > 0, "rollout.temperature must be > 0"),
             (self.reward.num_workers >= 0, "reward.num_workers must be >= 0"),
@@ -482,6 +526,15 @@ class Config:
                 "trainer.train_workers > 1 with algo.entropy_coef > 0 needs algo.loss_agg=token_mean",
             ),
         ]
+        from mmrl.algos.advantages import ADVANTAGE_ESTIMATORS
+
+        checks.append(
+            (
+                self.algo.advantage in ADVANTAGE_ESTIMATORS,
+                f"algo.advantage must be one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}, "
+                f"got {self.algo.advantage!r}",
+            )
+        )
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid config: {message}")
@@ -511,18 +564,75 @@ def load_structured(
         recipe = resources.files("mmrl.configs") / f"{task}.yaml"
         if not recipe.is_file():
             raise ValueError(f"unknown task {task!r}: choose from {', '.join(task_names())}")
-        merged = OmegaConf.merge(merged, _yaml(recipe.read_text(), f"configs/{task}.yaml"))
+        where = f"configs/{task}.yaml"
+        merged = _merge(merged, _yaml(recipe.read_text(), where), where)
     if config_file is not None:
         path = Path(config_file)
         if not path.exists():
             raise FileNotFoundError(f"config file not found: {path}")
-        merged = OmegaConf.merge(merged, _yaml(path.read_text(), str(path)))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        merged = _merge(merged, _yaml(text, str(path)), str(path))
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ValueError(f"overrides must be key=value, got {bad}")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-    return OmegaConf.to_object(merged)
+        try:
+            dotlist = OmegaConf.from_dotlist(list(overrides))
+        except Exception as exc:  # noqa: BLE001 - OmegaConf and YAML errors alike, on one line
+            raise _config_error(f"invalid override in {list(overrides)}: {_one_line(exc)}", exc) from None
+        merged = _merge(merged, dotlist, "overrides")
+    try:
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _config_error(f"invalid config: {_describe(exc)}", exc) from None
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded; the message is one line naming the file or key."""
+
+
+_COMPAT: dict[type, type] = {}
+
+
+def _config_error(message: str, exc: BaseException | None = None) -> ConfigError:
+    """A `ConfigError` that is also an instance of OmegaConf's exception class (`exc`'s), so
+    callers catching either keep working."""
+    if exc is None or not isinstance(exc, OmegaConfBaseException):
+        return ConfigError(message)
+    base = type(exc)
+    if base not in _COMPAT:
+        _COMPAT[base] = type(base.__name__, (ConfigError, base), {"__str__": lambda self: self.args[0]})
+    err = _COMPAT[base](message)
+    err.full_key = getattr(exc, "full_key", None)
+    return err
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _describe(exc: OmegaConfBaseException) -> str:
+    """OmegaConf's multi-line message as one line with the full key."""
+    key = getattr(exc, "full_key", None)
+    message = _one_line(exc)
+    if isinstance(exc, ConfigKeyError) and key:
+        return f"unknown key {key!r}"
+    if key and key not in message:
+        return f"{key}: {message}"
+    return message
+
+
+def _merge(base: Any, extra: Any, where: str) -> Any:
+    """`OmegaConf.merge` with its errors (unknown key, wrong type) as one-line ValueErrors
+    naming `where` the value came from and the full key."""
+    try:
+        return OmegaConf.merge(base, extra)
+    except OmegaConfBaseException as exc:
+        raise _config_error(f"{where}: {_describe(exc)}", exc) from None
 
 
 def _documented_fields(cls: type) -> set[str]:
@@ -578,7 +688,17 @@ def count_fields(cls: type, seen: set | None = None) -> int:
 
 
 def _yaml(text: str, where: str) -> Any:
-    conf = OmegaConf.create(text)
+    import yaml
+
+    try:
+        conf = OmegaConf.create(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or _one_line(exc)
+        raise ConfigError(f"{where}{at}: invalid YAML: {problem}") from None
+    except OmegaConfBaseException as exc:
+        raise _config_error(f"{where}: {_describe(exc)}", exc) from None
     if conf is None or not isinstance(conf, type(OmegaConf.create({}))):
         raise ValueError(f"{where}: expected a mapping at the top level")
     return conf

@@ -9,8 +9,12 @@ A checkpoint is a folder `<run_dir>/checkpoints/step_<n>/` holding:
     manifest.json       every file's size and SHA-256, written last
 
 It is written to a temporary folder and renamed into place, so a crash never leaves a
-half-written `step_<n>`. On resume the newest checkpoint whose files all match their manifest
-is used; a damaged one is skipped with a warning naming what is wrong. Retention keeps the
+half-written `step_<n>`; temporaries a crash left behind are removed on the next start
+(`clean_stale_temporaries`). A failed write (full disk, read-only folder) raises `StorageError`
+naming the path and the cause, removes its temporary folder and leaves earlier checkpoints
+alone. On resume the newest checkpoint whose files all match their manifest is used; a damaged
+one (no manifest, an empty or partial manifest, a missing, truncated or corrupted file) is
+skipped with a warning naming what is wrong. Retention keeps the
 `keep_last` newest and, with `keep_best`, the one with the best held-out accuracy.
 """
 
@@ -30,10 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmrl.train.storage import StorageError, storage_errors
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
+TMP_PREFIX = ".tmp_step_"
+OLD_PREFIX = ".old_step_"
 
 
 @dataclass
@@ -75,76 +83,202 @@ def save_checkpoint(
     config_yaml: str,
     metric: float | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically; returns its folder."""
+    """Write checkpoint `step` atomically; returns its folder.
+
+    A failed write (full disk, read-only folder, ...) removes the temporary folder and raises
+    `StorageError` naming the path and the cause; the checkpoints already there are untouched."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "model").mkdir(parents=True)
-    model.save_pretrained(tmp / "model")
-    processor.save_pretrained(tmp / "model")
-    torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / STATE)
-    (tmp / "config.yaml").write_text(config_yaml)
-    files = {
-        str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(tmp.rglob("*"))
-        if p.is_file()
-    }
-    manifest = {"step": step, "metric": metric, "time": time.time(), "files": files}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    for f in [*tmp.rglob("*"), tmp]:  # flush file contents before the rename makes them visible
-        if f.is_file():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-    if final.exists():  # e.g. the final checkpoint after a periodic one at the same step
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    tmp = root / f"{TMP_PREFIX}{step:08d}_{os.getpid()}"
+    try:
+        with storage_errors(f"write checkpoint step {step} to", tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "model").mkdir(parents=True)
+            model.save_pretrained(tmp / "model")
+            processor.save_pretrained(tmp / "model")
+            torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / STATE)
+            (tmp / "config.yaml").write_text(config_yaml)
+            files = {
+                str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                for p in sorted(tmp.rglob("*"))
+                if p.is_file()
+            }
+            manifest = {"step": step, "metric": metric, "time": time.time(), "files": files}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            for f in [*tmp.rglob("*"), tmp]:  # flush file contents before the rename makes them visible
+                if f.is_file():
+                    with f.open("rb") as fh:
+                        os.fsync(fh.fileno())
+            old = None
+            if final.exists():  # e.g. the final checkpoint after a periodic one at the same step
+                old = root / f"{OLD_PREFIX}{step:08d}_{os.getpid()}"
+                os.replace(final, old)  # moved aside, not deleted, until the new one is in place
+            os.replace(tmp, final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+    except StorageError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; never a half checkpoint
+        good = find_resume_checkpoint(run_dir, quiet=True)
+        where = f"the last good checkpoint {good.path} is intact" if good else "no earlier checkpoint exists"
+        raise StorageError(
+            f"{exc}. The partial checkpoint was removed and {where}; free space (or fix the folder's "
+            "permissions) and continue with --resume auto",
+            exc.path,
+            exc.cause,
+        ) from exc.__cause__
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
+def clean_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Remove the temporary folders (`.tmp_step_*`, `.old_step_*`) a crash mid-checkpoint left in
+    `<run_dir>/checkpoints` (each can be as large as a checkpoint: on a small disk the leftover
+    alone can keep the disk full). Call on start, before the run writes anything; returns what
+    was removed (each logged)."""
+    root = Path(run_dir) / "checkpoints"
+    removed = []
+    if not root.is_dir():
+        return removed
+    for p in sorted([*root.glob(f"{TMP_PREFIX}*"), *root.glob(f"{OLD_PREFIX}*")]):
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else 0
+        with storage_errors("remove the stale temporary checkpoint", p):
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        log.warning("removed %s, left by a checkpoint write that did not finish (%d bytes freed)", p, size)
+        removed.append(p)
+    return removed
+
+
+def _required_files_problem(path: Path, names: set[str]) -> str | None:
+    """What `save_checkpoint` always writes must be listed: the trainer state, the config and,
+    when there is a `model/` folder, the files in it."""
+    if STATE not in names:
+        return f"the manifest does not list {STATE}"
+    if "config.yaml" not in names:
+        return "the manifest does not list config.yaml"
+    if (path / "model").is_dir() and not any(n.startswith("model/") for n in names):
+        return "the manifest lists no model files"
+    return None
+
+
 def verify_checkpoint(path: Path) -> str | None:
-    """None if every file matches the manifest, else what is wrong."""
+    """None if the checkpoint is complete and every file matches the manifest, else what is
+    wrong. The manifest must list the trainer state, the config and the model weights, and
+    every file in the folder must be listed (so a manifest that lists nothing verifies nothing)."""
+    path = Path(path)
     manifest_path = path / MANIFEST
+    if not path.is_dir():
+        return "not a folder"
     if not manifest_path.exists():
-        return "no manifest (not a complete checkpoint)"
+        return f"no {MANIFEST} (an incomplete checkpoint, or the manifest was deleted)"
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as exc:
-        return f"unreadable manifest: {exc}"
-    for name, info in manifest.get("files", {}).items():
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return f"unreadable {MANIFEST}: {exc}"
+    except OSError as exc:
+        return f"cannot read {MANIFEST}: {exc}"
+    if not isinstance(manifest, dict):
+        return f"{MANIFEST} is not a JSON object"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return f"{MANIFEST} has no 'files' table"
+    if not files:
+        return f"{MANIFEST} lists no files"
+    if (problem := _required_files_problem(path, set(files))) is not None:
+        return problem
+    for name, info in files.items():
+        if (
+            not isinstance(info, dict)
+            or not isinstance(info.get("bytes"), int)
+            or not isinstance(info.get("sha256"), str)
+        ):
+            return f"{MANIFEST}: entry {name!r} needs 'bytes' and 'sha256'"
         f = path / name
-        if not f.exists():
+        if not f.is_file():
             return f"missing file {name}"
         if f.stat().st_size != info["bytes"]:
             return f"{name} has {f.stat().st_size} bytes, the manifest says {info['bytes']} (truncated?)"
         if _sha256(f) != info["sha256"]:
             return f"{name} does not match its checksum (corrupted)"
+    unlisted = sorted(
+        str(p.relative_to(path))
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.name != MANIFEST
+        and not p.name.startswith(".")  # .DS_Store, .nfs* and the like are not checkpoint files
+        and str(p.relative_to(path)) not in files
+    )
+    if unlisted:
+        return f"files not in the manifest: {', '.join(unlisted[:5])}"
     return None
+
+
+def _step_of_folder(p: Path) -> int | None:
+    try:
+        return int(p.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _manifest_info(p: Path) -> tuple[int | None, float | None]:
+    """(step, metric) from a checkpoint's manifest, falling back to the folder's name."""
+    step, metric = _step_of_folder(p), None
+    try:
+        info = json.loads((p / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return step, None
+    if isinstance(info, dict):
+        if isinstance(info.get("step"), int):
+            step = info["step"]
+        if isinstance(info.get("metric"), (int, float)):
+            metric = float(info["metric"])
+    return step, metric
 
 
 def list_checkpoints(run_dir: Path) -> list[Checkpoint]:
     """Complete-looking checkpoints (a manifest exists), oldest first; temporary folders ignored."""
+    return [c for c in list_checkpoint_folders(run_dir) if (c.path / MANIFEST).exists()]
+
+
+def list_checkpoint_folders(run_dir: Path) -> list[Checkpoint]:
+    """Every `step_*` folder (with or without a manifest), oldest first; temporary folders and
+    names that carry no step number are ignored."""
     root = Path(run_dir) / "checkpoints"
     out = []
-    for p in sorted(root.glob("step_*")) if root.exists() else []:
-        manifest = p / MANIFEST
-        if not manifest.exists():
+    for p in sorted(root.glob("step_*")) if root.is_dir() else []:
+        if not p.is_dir():
             continue
-        try:
-            info = json.loads(manifest.read_text())
-        except json.JSONDecodeError:
-            info = {"step": int(p.name.split("_")[1]), "metric": None}
-        out.append(Checkpoint(p, int(info["step"]), info.get("metric")))
+        step, metric = _manifest_info(p)
+        if step is None:
+            log.warning("ignoring %s: its name carries no step number", p)
+            continue
+        out.append(Checkpoint(p, step, metric))
     return sorted(out, key=lambda c: c.step)
 
 
-def find_resume_checkpoint(run_dir: Path) -> Checkpoint | None:
-    """The newest checkpoint that verifies; damaged ones are skipped with a warning."""
-    for ckpt in reversed(list_checkpoints(run_dir)):
+def damaged_checkpoints(run_dir: Path) -> list[tuple[Checkpoint, str]]:
+    """Every checkpoint folder that does not verify, with what is wrong, oldest first."""
+    out = []
+    for ckpt in list_checkpoint_folders(run_dir):
+        problem = verify_checkpoint(ckpt.path)
+        if problem is not None:
+            out.append((ckpt, problem))
+    return out
+
+
+def find_resume_checkpoint(run_dir: Path, quiet: bool = False) -> Checkpoint | None:
+    """The newest checkpoint that verifies; damaged ones (a missing or empty manifest included)
+    are skipped with a warning naming what is wrong."""
+    for ckpt in reversed(list_checkpoint_folders(run_dir)):
         problem = verify_checkpoint(ckpt.path)
         if problem is None:
             return ckpt
-        log.warning("skipping damaged checkpoint %s: %s", ckpt.path, problem)
+        if not quiet:
+            log.warning("skipping damaged checkpoint %s: %s", ckpt.path, problem)
     return None
 
 

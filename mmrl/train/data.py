@@ -29,11 +29,11 @@ def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
     d = cfg.data
     kw = dict(kinds_=d.kinds, seed=d.seed, image_size=d.image_size)
     if d.train_files:
-        train = [s for f in d.train_files for s in read_samples(f)]
+        train = [s for f in d.train_files for s in read_samples(f, max_prompt_chars=d.max_prompt_chars)]
     else:
         train = make_samples(n=d.num_train, split="train", **kw)
     if d.heldout_files:
-        heldout = [s for f in d.heldout_files for s in read_samples(f)]
+        heldout = [s for f in d.heldout_files for s in read_samples(f, max_prompt_chars=d.max_prompt_chars)]
     elif not d.train_files:
         heldout = make_samples(n=d.num_heldout, split="heldout", **kw)
     else:

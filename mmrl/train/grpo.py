@@ -64,8 +64,10 @@ from mmrl.train.dumps import write_step_dump
 from mmrl.train.evaluation import evaluate
 from mmrl.train.metrics_log import MetricsLogger
 from mmrl.train.plots import plot_training_curves
-from mmrl.train.rundir import create_run_dir
+from mmrl.train.preflight import check_paths, plan_resume
+from mmrl.train.rundir import create_run_dir, run_dir_path
 from mmrl.train.step_metrics import step_metrics
+from mmrl.train.storage import storage_errors
 from mmrl.train.update import old_and_ref_logprobs, update_policy
 from mmrl.types import RolloutBatch, VerifyContext
 
@@ -173,14 +175,19 @@ def train(cfg: Config) -> TrainResult:
         heldout = heldout[: cfg.trainer.eval_size]
     check_model_reward_names(cfg, train_samples + heldout)
     sampler = PromptSampler(train_samples, seed=cfg.trainer.seed, cot_pool=cot_pool(cfg))
-    run_dir = create_run_dir(cfg)
+    # The checkpoint to resume from, if any: refused here (all damaged, config changed) before
+    # the run directory is touched.
+    check_paths(cfg)
+    run_dir = run_dir_path(cfg)
+    resume_path = plan_resume(cfg, run_dir)
+    run_dir = create_run_dir(cfg, run_dir)
 
     # 3. Policy (LoRA / frozen parts), reference, rollout engine, router, optimizer; then the
     #    checkpoint to resume from, if any (its weights replace the policy's, not the reference's).
     model_path = cfg.model.path or builtin_base(cfg)
     t = compose.make_trainee(cfg, load_policy_for(cfg, model_path), run_dir)
     progress = RunProgress()
-    resumed = resume_from(cfg, t, sampler, progress, run_dir)
+    resumed = resume_path is not None and resume_from(cfg, t, sampler, progress, run_dir, resume_path)
     t.router.warm_up()
     # A resumed run drops what the crashed one logged after its checkpoint; `resume=auto` with
     # no checkpoint yet starts the files over.
@@ -235,10 +242,11 @@ def train(cfg: Config) -> TrainResult:
 
     # 5. Final policy (HF format; LoRA adapters merged, and saved alone too), curves, summary.
     if cfg.trainer.save_final:
-        merged_copy_for_saving(t.policy.model).save_pretrained(run_dir / "final")
-        t.policy.processor.save_pretrained(run_dir / "final")
-        if is_lora(t.policy.model):
-            t.policy.model.save_pretrained(run_dir / "final_adapter")
+        with storage_errors("save the final policy to", run_dir / "final", "The last checkpoint is intact"):
+            merged_copy_for_saving(t.policy.model).save_pretrained(run_dir / "final")
+            t.policy.processor.save_pretrained(run_dir / "final")
+            if is_lora(t.policy.model):
+                t.policy.model.save_pretrained(run_dir / "final_adapter")
     plot_training_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
     result = TrainResult(
         run_dir=run_dir,
@@ -251,7 +259,8 @@ def train(cfg: Config) -> TrainResult:
     )
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
     summary["model_path"] = str(model_path)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    with storage_errors("write the summary to", run_dir / "summary.json"):
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return result
 
 
@@ -318,13 +327,21 @@ def write_checkpoint(
 
 
 def resume_from(
-    cfg: Config, t: Trainee, sampler: PromptSampler, progress: RunProgress, run_dir: Path
+    cfg: Config,
+    t: Trainee,
+    sampler: PromptSampler,
+    progress: RunProgress,
+    run_dir: Path,
+    checkpoint: Path | None = None,
 ) -> bool:
     """Restore weights, optimizer, scheduler, sampler position, RNG states and counters from
+    `checkpoint` (as `mmrl.train.preflight.plan_resume` chose it), or without it from
     `trainer.resume` (`auto`: the newest complete checkpoint of the run). True if resumed."""
-    if not cfg.trainer.resume:
+    if checkpoint is not None:
+        path = Path(checkpoint)
+    elif not cfg.trainer.resume:
         return False
-    if cfg.trainer.resume == "auto":
+    elif cfg.trainer.resume == "auto":
         ckpt = find_resume_checkpoint(run_dir)
         if ckpt is None:
             log.info("resume=auto: no complete checkpoint in %s; starting fresh", run_dir)

@@ -1,0 +1,128 @@
+"""Checks a run passes before it writes anything: which checkpoint a resume continues from (a
+run whose checkpoints are all damaged is refused, not started over), and whether the config
+differs from the one the checkpoint was written with (only an allow-list may change)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from mmrl.config import Config, config_to_dict
+from mmrl.train.checkpoint import damaged_checkpoints, find_resume_checkpoint, verify_checkpoint
+
+log = logging.getLogger(__name__)
+
+RESUME_MAY_CHANGE: frozenset[str] = frozenset(
+    {
+        "trainer.total_steps",
+        "trainer.resume",
+        "trainer.run_dir",
+        "trainer.progress",
+        "trainer.threads",
+        "trainer.checkpoint_every",
+        "trainer.keep_last",
+        "trainer.keep_best",
+        "trainer.dump_steps",
+        "trainer.max_consecutive_skips",
+        "reward.num_workers",
+        "model.cache_dir",
+    }
+)
+"""Config keys a resumed run may set differently from its checkpoint (each change is logged):
+the run's length and bookkeeping, never what it learns from or how. Extending
+`trainer.total_steps` also stretches the learning-rate schedule."""
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (lists are values)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+def config_differences(saved_yaml: str, cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """`{key: (saved, now)}` for every key whose value differs. A key the saved config does not
+    have (a field added since) counts only when it is not at its default."""
+    saved = flatten(OmegaConf.to_container(OmegaConf.create(saved_yaml), resolve=True) or {})
+    now = flatten(config_to_dict(cfg))
+    defaults = flatten(config_to_dict(Config()))
+    diffs = {}
+    for key, value in now.items():
+        if key in saved:
+            if saved[key] != value:
+                diffs[key] = (saved[key], value)
+        elif key in defaults and defaults[key] != value:
+            diffs[key] = (defaults[key], value)
+    return diffs
+
+
+def check_resume_config(cfg: Config, checkpoint: Path) -> dict[str, tuple[Any, Any]]:
+    """Refuse (ValueError listing the differences) a resume whose config differs from the
+    checkpoint's outside `RESUME_MAY_CHANGE`; log the allowed differences and return them."""
+    saved_path = Path(checkpoint) / "config.yaml"
+    try:
+        diffs = config_differences(saved_path.read_text(encoding="utf-8"), cfg)
+    except Exception as exc:  # noqa: BLE001 - any unreadable config is a refusal, with its cause
+        raise ValueError(f"trainer.resume: cannot read the checkpoint's config {saved_path}: {exc}") from None
+    refused = {k: v for k, v in diffs.items() if k not in RESUME_MAY_CHANGE}
+    lines = [f"  {k}: {old!r} -> {new!r}" for k, (old, new) in sorted(diffs.items())]
+    if refused:
+        raise ValueError(
+            f"trainer.resume: the config differs from the one {checkpoint} was written with "
+            f"({saved_path}):\n" + "\n".join(lines) + "\nA resumed run may change only "
+            f"{', '.join(sorted(RESUME_MAY_CHANGE))}. Resume with the checkpoint's config, or start a "
+            "new run (another trainer.run_dir) to train with this one."
+        )
+    for key, (old, new) in sorted(diffs.items()):
+        if key not in ("trainer.resume", "trainer.run_dir"):
+            log.warning("resuming with %s changed: %r -> %r", key, old, new)
+    return diffs
+
+
+def plan_resume(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint folder `trainer.resume` continues from (config checked against it), or
+    None to start fresh (no resume asked, or `auto` in a run with no checkpoint at all). Refuses
+    (ValueError) when every checkpoint of the run is damaged, or the one named is."""
+    resume = cfg.trainer.resume
+    if not resume:
+        return None
+    if resume == "auto":
+        ckpt = find_resume_checkpoint(run_dir)
+        if ckpt is None:
+            damaged = damaged_checkpoints(run_dir)
+            if damaged:
+                what = "; ".join(f"{c.path.name}: {problem}" for c, problem in damaged)
+                raise ValueError(
+                    f"--resume auto: every checkpoint in {Path(run_dir) / 'checkpoints'} is damaged ({what}). "
+                    "Nothing was changed. Restore a checkpoint from a backup, resume from one that verifies "
+                    f"with --resume PATH, or, to start over, move away or delete {Path(run_dir) / 'checkpoints'} "
+                    f"and {Path(run_dir) / 'metrics.jsonl'} (or choose another trainer.run_dir)."
+                )
+            log.info("resume=auto: no checkpoint in %s; starting fresh", run_dir)
+            return None
+        path = ckpt.path
+    else:
+        path = Path(resume)
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise ValueError(f"trainer.resume={path}: not a usable checkpoint: {problem}")
+    check_resume_config(cfg, path)
+    return path
+
+
+def check_paths(cfg: Config) -> None:
+    """Paths the run reads later must exist now (a missing one would stop the run after the
+    step-0 evaluation, leaving a run folder that a rerun then refuses)."""
+    suite = cfg.trainer.eval_suite
+    if suite and suite != "builtin" and not Path(suite).exists():
+        raise ValueError(f"trainer.eval_suite: {suite} does not exist (a suite folder or file, or `builtin`)")
