@@ -174,8 +174,8 @@ def run_variant(args) -> dict:
         return run_trl(args, cfg, policy, samples, out)
 
     import mmrl.train.update as update
-    from mmrl.router import RewardBatch
     from mmrl.rollout.hf import SamplingParams
+    from mmrl.router import RewardBatch
     from mmrl.train.grpo import learn_from_rollouts, make_trainee
     from mmrl.types import VerifierResult
 
@@ -206,9 +206,10 @@ def run_variant(args) -> dict:
 def run_trl(args, cfg, policy, samples, out: dict) -> dict:
     """One TRL GRPOTrainer step (one generation, `mini_batches` optimizer steps)."""
     import torch
-    from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from datasets import Dataset
 
     B, G, R, mb = args.prompts, args.group, args.length, args.mini_batches
     dataset = Dataset.from_dict(
