@@ -799,6 +799,34 @@ def test_trl_reward_function_drops_the_nulls_of_arrow_struct_columns(server):
     assert scores == [1.0, 1.0]
 
 
+def test_trl_adapter_sends_no_null_parameters():
+    from mmrl.integrations.trl import make_reward_function
+
+    class Capture:
+        def score_records(self, records, texts, context, sample_index):
+            self.records = records
+            return [{"score": 1.0, "error": None} for _ in texts]
+
+    capture = Capture()
+    reward = make_reward_function(client=capture)
+    row = {
+        "ground_truth": [{"bbox_2d": [1, 2, 3, None], "label": None}],  # the ground truth is kept as is
+        "verifier": "detection",
+        "verifier_params": {"weights": {"map": 1.0, "map50": None}, "iou_threshold": None},
+        "accuracy_ratio": None,
+    }
+    assert reward(completions=["x"], reward_model=[row]) == [1.0]
+    assert capture.records == [
+        {
+            "reward_model": {
+                "ground_truth": [{"bbox_2d": [1, 2, 3, None], "label": None}],
+                "verifier": "detection",
+                "verifier_params": {"weights": {"map": 1.0}},
+            }
+        }
+    ]
+
+
 def test_remote_router_gives_the_in_process_router_results(server):
     samples = make_samples(["colour_code", "count", "detection"], 6, "train")
     rows = [s for s in samples for _ in range(2)]
