@@ -118,7 +118,7 @@ class ServeConfig:
             raise ValueError(f"workers must be >= 0 (0: one per core), got {self.workers}")
         if self.label_mode not in LABEL_MODES:
             raise ValueError(f"label_mode must be one of {list(LABEL_MODES)}, got {self.label_mode!r}")
-        for name in ("time_limit_s", "request_timeout_s", "head_timeout_s", "keep_alive_s"):
+        for name in ("time_limit_s", "request_timeout_s", "head_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kill_grace_s < 0:
