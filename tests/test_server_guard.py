@@ -272,3 +272,24 @@ def test_host_given_as_a_bracketed_ipv6_literal_is_served(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_ready_answers_503_with_retry_after_until_a_worker_is_warm():
+    import asyncio
+
+    from mmrl.server.app import create_app
+
+    app = create_app(ServeConfig(workers=1, retry_after_s=3))  # its pool is not started: no worker
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/ready", "headers": [], "query_string": b""}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 503
+    assert (b"retry-after", b"3") in sent[0]["headers"]
+    assert json.loads(sent[1]["body"])["ready"] is False
