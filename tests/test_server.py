@@ -61,6 +61,14 @@ class Raise(Verifier):
         raise ValueError("boom")
 
 
+@register_verifier("test_nan")
+class NotANumber(Verifier):
+    def score(self, response, sample, context):
+        if response == "nan":
+            return VerifierResult(score=float("nan"), components={"accuracy": 1.0})
+        return VerifierResult(score=1.0, components={"accuracy": float("inf"), "note": "text"})
+
+
 @register_verifier("test_slow")
 class Slow(Verifier):
     def score(self, response, sample, context):
@@ -403,6 +411,96 @@ BAD_REQUESTS = [
         "exceeds this server's limit of 262144 bytes",
     ),
     (
+        "an unknown math verifier parameter",
+        "/score",
+        {"samples": [record("math", "1", verifier_params={"bogus": 1})], "responses": ["x"]},
+        422,
+        "samples[0].reward_model.verifier_params.bogus: unknown parameter for the math verifier",
+    ),
+    (
+        "an integer literal of more than 4300 digits",
+        "/score",
+        b'{"samples": [{"reward_model": {"ground_truth": "1", "verifier": "math", "accuracy_ratio": 1'
+        + b"0" * 5000
+        + b'}}], "responses": ["x"]}',
+        422,
+        "samples[0].reward_model.accuracy_ratio: an integer literal of more than 4300 digits",
+    ),
+    (
+        "NaN in the body",
+        "/score",
+        b'{"samples": [{"reward_model": {"ground_truth": "1", "verifier": "math", "format_ratio": NaN}}], '
+        b'"responses": ["x"]}',
+        422,
+        "samples[0].reward_model.format_ratio: non-finite number 'NaN'",
+    ),
+    (
+        "a number beyond the float range",
+        "/score",
+        b'{"samples": [{"reward_model": {"ground_truth": "1", "verifier": "math"}}], "responses": ["x"], '
+        b'"timeout_s": 1e999}',
+        422,
+        "timeout_s: non-finite number '1e999'",
+    ),
+    (
+        "verifier_params as JSON nested too deeply",
+        "/score",
+        {"samples": [record("math", "1", verifier_params="[" * 5000 + "]" * 5000)], "responses": ["x"]},
+        422,
+        "samples[0].reward_model.verifier_params: not valid JSON: nested too deeply",
+    ),
+    (
+        "verifier_params as JSON holding a huge integer",
+        "/score",
+        {
+            "samples": [record("math", "1", verifier_params='{"style": 1' + "0" * 5000 + "}")],
+            "responses": ["x"],
+        },
+        422,
+        "samples[0].reward_model.verifier_params.style: an integer literal of more than 4300 digits",
+    ),
+    (
+        "reward_model as JSON holding a huge integer",
+        "/score",
+        {
+            "samples": [{"reward_model": '{"ground_truth": 1' + "0" * 5000 + ', "verifier": "math"}'}],
+            "responses": ["x"],
+        },
+        422,
+        "samples[0].reward_model.ground_truth: an integer literal of more than 4300 digits",
+    ),
+    (
+        "extra_info as JSON nested too deeply",
+        "/score",
+        {
+            "samples": [{**record("math", "1"), "extra_info": '{"a":' * 3000 + "1" + "}" * 3000}],
+            "responses": ["x"],
+        },
+        422,
+        "samples[0].extra_info: not valid JSON: nested too deeply",
+    ),
+    (
+        "a label's JSON nested too deeply",
+        "/get_reward",
+        {"query": ["x"], "labels": ['{"verifier": "math", "ground_truth": ' + "[" * 5000 + "]" * 5000 + "}"]},
+        422,
+        "labels[0]: not valid JSON: nested too deeply",
+    ),
+    (
+        "a label's JSON holding a huge integer",
+        "/get_reward",
+        {"query": ["x"], "labels": ['{"verifier": "math", "ground_truth": 1' + "0" * 5000 + "}"]},
+        422,
+        "labels[0].ground_truth: an integer literal of more than 4300 digits",
+    ),
+    (
+        "a step beyond 64 bits",
+        "/get_reward",
+        {"query": ["x"], "labels": ["1"], "step": 10**300},
+        422,
+        "step: must be at most 2^63 - 1",
+    ),
+    (
         "labels missing",
         "/get_reward",
         {"query": ["\\boxed{1}"], "prompts": ["p"]},
@@ -427,6 +525,83 @@ def test_bad_input_gets_a_4xx_naming_the_problem(http, case, path, body, status,
     answer = http.post(path, content=content, headers={"Content-Type": "application/json"})
     assert answer.status_code == status, answer.text
     assert message in answer.json()["detail"]
+
+
+def _strict_json(text: str):
+    """Parse as JSON proper: NaN and infinities are not JSON."""
+
+    def refuse(name):
+        raise AssertionError(f"the server sent {name}, which is not JSON: {text[:300]}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_judge_refuses_non_finite_and_unusable_numbers_and_never_sends_nan(http):
+    huge = "1" + "0" * 5000
+    deep = "[" * 5000 + "]" * 5000
+    deep_enough = '{"a":' * 900 + "1" + "}" * 900
+    cases = [
+        ('"accuracy_ratio": Infinity', "accuracy_ratio: non-finite number 'Infinity'"),
+        ('"format_ratio": -Infinity', "format_ratio: non-finite number '-Infinity'"),
+        ('"accuracy_ratio": 1e400', "accuracy_ratio: non-finite number '1e400'"),
+        ('"accuracy_ratio": 1' + "0" * 400, "accuracy_ratio: must be a finite number"),
+        (f'"accuracy_ratio": {huge}', "accuracy_ratio: an integer literal of more than 4300 digits"),
+        (
+            '"reward_verifier_parm": ' + json.dumps('{"step": ' + huge + "}"),
+            "reward_verifier_parm.step: an integer literal of more than 4300 digits",
+        ),
+        (
+            '"reward_verifier_parm": ' + json.dumps(deep),
+            "reward_verifier_parm: not valid JSON: nested too deeply",
+        ),
+        (
+            '"reward_verifier_parm": ' + json.dumps(deep_enough),
+            "reward_verifier_parm: not valid JSON: nested more than 64 levels deep",
+        ),
+    ]
+    base = json.dumps({"response": "\\boxed{4}", "solution": "4", "reward_verifier": "mathverify"})
+    for fields, message in cases:
+        body = (base[:-1] + ", " + fields + "}").encode()
+        answer = http.post("/judge", content=body, headers={"Content-Type": "application/json"})
+        assert answer.status_code == 200, answer.text
+        data = _strict_json(answer.text)
+        assert data["error"] and message in data["error"], (message, data)
+        assert set(data["rewards"].values()) == {0.0}
+    # Both ratios at 1e308: their sum overflows, yet the mix is still half and half.
+    payload = _vtriune_payload(accuracy_ratio=1e308, format_ratio=1e308)
+    answer = _strict_json(http.post("/judge", json=payload).text)
+    assert answer["error"] is None, answer
+    rewards = answer["rewards"]
+    assert rewards["accuracy_reward"] == 1.0 and rewards["format_reward"] == 1.0
+    assert rewards["final_reward"] == 1.0
+    payload = _vtriune_payload(
+        accuracy_ratio=1e308, format_ratio=1e308, response="<answer>\\boxed{4}</answer>"
+    )
+    rewards = _strict_json(http.post("/judge", json=payload).text)["rewards"]
+    assert rewards["accuracy_reward"] == 1.0 and rewards["format_reward"] < 1.0
+    assert rewards["final_reward"] == pytest.approx(0.5 + 0.5 * rewards["format_reward"])
+
+
+def test_a_verifier_returning_nan_or_infinity_gives_an_error_result_never_nan_on_the_wire(http):
+    answer = http.post("/score", json={"samples": [record("test_nan", "-")] * 2, "responses": ["nan", "inf"]})
+    assert answer.status_code == 200
+    data = _strict_json(answer.text)
+    assert data["errors"] == 2
+    first, second = data["results"]
+    assert first["score"] == 0.0 and "non-finite score" in first["error"]
+    assert second["score"] == 0.0 and "non-finite component 'accuracy'" in second["error"]
+    label = json.dumps({"verifier": "test_nan", "ground_truth": "-"})
+    answer = http.post("/get_reward", json={"query": ["nan", "inf"], "labels": [label, label]})
+    assert answer.status_code == 200
+    data = _strict_json(answer.text)
+    assert data["rewards"] == [0.0, 0.0] and data["extra_logs"]["verifier_error"] == [1.0, 1.0]
+
+
+def test_null_verifier_params_are_taken_as_not_given(http):
+    sample = record("counting", "3", verifier_params={"partial": True, "options": None})
+    answer = http.post("/score", json={"samples": [sample], "responses": ["\\boxed{3}"]})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["results"][0]["score"] == 1.0
 
 
 def test_a_ground_truth_too_deep_to_hand_to_a_worker_is_that_sample_s_error(http):
@@ -599,6 +774,59 @@ def test_trl_reward_function_scores_plain_and_conversational_completions(server)
         reward(prompts=prompts, completions=["x"] * 3, other=[1, 2, 3])
 
 
+def test_trl_reward_function_drops_the_nulls_of_arrow_struct_columns(server):
+    from mmrl.integrations.trl import make_reward_function
+
+    # What a datasets/Arrow struct column gives TRL: every key of every row, missing ones as None.
+    rows = [
+        {
+            "ground_truth": "3",
+            "verifier": "counting",
+            "verifier_params": {"options": None, "partial": True},
+            "accuracy_ratio": None,
+            "format_ratio": None,
+        },
+        {
+            "ground_truth": "B",
+            "verifier": "choice",
+            "verifier_params": {"options": ["red", "blue"], "partial": None},
+            "accuracy_ratio": 1.0,
+            "format_ratio": None,
+        },
+    ]
+    reward = make_reward_function(server.url, TOKEN, retries=0)
+    scores = reward(prompts=["p", "q"], completions=["\\boxed{3}", "\\boxed{B}"], reward_model=rows)
+    assert scores == [1.0, 1.0]
+
+
+def test_trl_adapter_sends_no_null_parameters():
+    from mmrl.integrations.trl import make_reward_function
+
+    class Capture:
+        def score_records(self, records, texts, context, sample_index):
+            self.records = records
+            return [{"score": 1.0, "error": None} for _ in texts]
+
+    capture = Capture()
+    reward = make_reward_function(client=capture)
+    row = {
+        "ground_truth": [{"bbox_2d": [1, 2, 3, None], "label": None}],  # the ground truth is kept as is
+        "verifier": "detection",
+        "verifier_params": {"weights": {"map": 1.0, "map50": None}, "iou_threshold": None},
+        "accuracy_ratio": None,
+    }
+    assert reward(completions=["x"], reward_model=[row]) == [1.0]
+    assert capture.records == [
+        {
+            "reward_model": {
+                "ground_truth": [{"bbox_2d": [1, 2, 3, None], "label": None}],
+                "verifier": "detection",
+                "verifier_params": {"weights": {"map": 1.0}},
+            }
+        }
+    ]
+
+
 def test_remote_router_gives_the_in_process_router_results(server):
     samples = make_samples(["colour_code", "count", "detection"], 6, "train")
     rows = [s for s in samples for _ in range(2)]
@@ -644,14 +872,16 @@ def test_a_dead_worker_s_messages_are_queued_again_without_the_sample_it_was_sco
 
 def test_worker_rendered_results_are_the_json_the_server_would_write():
     """Workers write a /score result's fields as JSON text; with the id added it must be what
-    `json.dumps` writes for the result object: escapes, NaN and infinities included."""
+    `json.dumps` writes for the result object, escapes included. A non-finite score or
+    component (NaN is not JSON), or a component that is no number, is refused with ValueError
+    (the worker makes it the sample's error)."""
     from mmrl.server.protocol import render_fields, result_json, score_response_json
 
     cases = [
         (1.0, {"accuracy": 1.0, "format": 1.0}, "4"),
-        (0.25, {'a\u00e9\n"': float("nan"), "x": float("inf"), "y": float("-inf"), 3: 1, "w": True}, None),
+        (0.25, {'a\u00e9\n"': 0.5, "x": -2.0, 3: 1, "w": True}, None),
         (1e-300, {}, 'caf\u00e9 \U0001f600 "q" \\'),
-        (0.1 + 0.2, {"bad": "not a number"}, 7),
+        (0.1 + 0.2, {"int": 7}, 7),
         (0.5, {1: 0.5}, None),
         (0.5, {True: 0.5}, None),  # equal to the key 1, but named "True"
         (0.5, {1: 0.25, "1": 0.75}, None),  # one key "1" in JSON, as the tuple path has it
@@ -660,9 +890,9 @@ def test_worker_rendered_results_are_the_json_the_server_would_write():
     rendered = [render_fields(score, components, extracted) for score, components, extracted in cases]
     expected = []
     for sample_id, (score, components, extracted) in zip(ids, cases):
-        fields = {str(k): float(v) if not isinstance(v, str) else float("nan") for k, v in components.items()}
+        fields = {str(k): float(v) for k, v in components.items()}
         result = (score, fields, None, None if extracted is None else str(extracted), None)
-        expected.append(json.dumps(result_json(sample_id, result), separators=(",", ":")))
+        expected.append(json.dumps(result_json(sample_id, result), separators=(",", ":"), allow_nan=False))
     for sample_id, text, want in zip(ids, rendered, expected):
         assert '{"id":' + json.dumps(sample_id) + "," + text == want
     # Mixed with an error result (a tuple), the body is the one json.dumps writes.
@@ -671,6 +901,15 @@ def test_worker_rendered_results_are_the_json_the_server_would_write():
     body = score_response_json(ids, results)
     objects = [json.loads(expected[0]), result_json("two", results[1]), *map(json.loads, expected[2:])]
     assert body.decode() == json.dumps({"results": objects, "errors": 1}, separators=(",", ":"))
+    for score, components, message in [
+        (float("nan"), {}, "non-finite score"),
+        (float("-inf"), {}, "non-finite score"),
+        (1.0, {"a": float("nan")}, "non-finite component 'a'"),
+        (1.0, {"b": float("inf")}, "non-finite component 'b'"),
+        (1.0, {"c": "not a number"}, "component 'c' that is not a number"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            render_fields(score, components, None)
 
 
 def test_writes_of_one_loop_turn_leave_as_one_and_close_sends_what_is_pending():

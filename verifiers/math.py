@@ -189,6 +189,19 @@ STYLES = ("mmrl", "vtriune")
 """`verifier_params.style`: mmrl's answer extraction, or V-Triune's `mathverify` accuracy."""
 
 
+PARAM_KEYS = ("format", "style")
+"""The `verifier_params` the math verifier knows; any other key is an error (as for the others)."""
+
+
+def _check_param_keys(sample: Sample) -> None:
+    for key in sample.reward_model.verifier_params:
+        if key not in PARAM_KEYS:
+            raise SampleFieldError(
+                f"reward_model.verifier_params.{key}",
+                f"unknown parameter for the math verifier (known: {sorted(PARAM_KEYS)})",
+            )
+
+
 def _style(sample: Sample) -> str:
     style = sample.reward_model.verifier_params.get("style", "mmrl")
     if style not in STYLES:
@@ -205,6 +218,7 @@ class MathVerifier(Verifier):
     docstring for what is never credited."""
 
     def check_sample(self, sample: Sample) -> None:
+        _check_param_keys(sample)
         check_format_param(sample)
         style = _style(sample)
         gold = sample.reward_model.ground_truth

@@ -12,6 +12,9 @@ arrives as a list with one value per completion. The sample each completion answ
 - the `ground_truth_key` column (default: the first of `ground_truth`, `solution`, `answer`)
   scored by `verifier`.
 
+A dataset's struct columns (Arrow) give every row every key, a missing one as None: None
+entries of `reward_model` and its `verifier_params` are dropped before sending.
+
 Completions may be plain strings or conversations (the last message's text is scored). The
 training step comes from the `trainer_state` TRL passes (its `global_step` and `max_steps`), so
 step-dependent verifiers (the dynamic IoU threshold) advance with training. One request per
@@ -106,6 +109,27 @@ def trainer_context(state: Any):
     return VerifyContext(step=int(state.global_step), total_steps=max(total, int(state.global_step), 1))
 
 
+def _without_nulls(reward: dict[str, Any]) -> dict[str, Any]:
+    """A `reward_model` with the None entries of Arrow struct columns dropped: a struct column
+    has every key any row has, so a key a row lacks comes as None (`{"options": None,
+    "partial": True}`), which the verifiers would take for a parameter given as null. Dropped
+    at the top level and inside `verifier_params` (nested objects too); the ground truth is
+    kept as it is."""
+    out = {k: v for k, v in reward.items() if v is not None}
+    for key in ("verifier_params", "verifier_parm"):
+        if isinstance(out.get(key), dict):
+            out[key] = _drop_none(out[key])
+    return out
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
 def _record(columns: dict[str, Any], i: int, verifier: str, ground_truth_key: str | None) -> dict[str, Any]:
     def column(name: str) -> Any:
         values = columns.get(name)
@@ -120,7 +144,10 @@ def _record(columns: dict[str, Any], i: int, verifier: str, ground_truth_key: st
         record["extra_info"] = {"id": str(extra["id"])}
     reward = column("reward_model")
     if reward is not None:
-        record["reward_model"] = json.loads(reward) if isinstance(reward, str) else reward
+        reward = json.loads(reward) if isinstance(reward, str) else reward
+        if isinstance(reward, dict):
+            reward = _without_nulls(reward)
+        record["reward_model"] = reward
         return record
     keys = [ground_truth_key] if ground_truth_key else [k for k in GROUND_TRUTH_KEYS if k in columns]
     if not keys or keys[0] not in columns:

@@ -16,9 +16,12 @@ Client side: `mmrl.server.client.RewardClient` (timeouts, bounded retries with b
 `RemoteRouter` (the interface of `mmrl.router.Router`, for mmrl's trainer); `mmrl.integrations`
 holds the veRL `compute_score` and a TRL reward-function factory.
 
-Safety: binds loopback by default and refuses any other address without a bearer token; body
-size, batch size and pending-sample limits (429 + Retry-After rather than an unbounded queue);
-per-sample hard time limits and a per-request limit. Response text is never evaluated as code.
+Safety: binds loopback by default and refuses any other address without a token (header, or
+the URL's `?token=`) or an `allow_networks` list; body size, batch size and pending-sample
+limits (429 + Retry-After rather than an unbounded queue); connection caps per client address
+and in all (503 + Retry-After) and a time limit for a request's head (`mmrl.server.guard`);
+per-sample hard time limits and a per-request limit; hostile numbers and JSON get a 4xx naming
+the field. Response text is never evaluated as code.
 
 This package's `__init__` imports neither FastAPI nor uvicorn: a client needs only httpx.
 """

@@ -40,7 +40,6 @@ import bisect
 import contextlib
 import functools
 import gc
-import hmac
 import json
 import logging
 import math
@@ -58,6 +57,7 @@ from typing import Any
 
 from mmrl.server import protocol
 from mmrl.server.config import ServeConfig, load_serve_config
+from mmrl.server.guard import Authenticator, ConnectionGuard, guarded_protocol, redact_access_log
 from mmrl.server.protocol import RequestError, WireItem, WireResult
 from mmrl.types import VerifyContext
 from mmrl.verifiers.registry import VerifierTimeout, call_with_time_limit, get_verifier, keep_alarm_handler
@@ -770,21 +770,33 @@ def create_app(cfg: ServeConfig | None = None) -> RewardEndpoints:
         redoc_url=None,
         openapi_url=None,
     )
+    guard = ConnectionGuard(
+        cfg.max_connections, cfg.max_connections_per_client, cfg.head_timeout_s, cfg.retry_after_s
+    )
     app.state.pool = pool
     app.state.metrics = metrics
     app.state.config = cfg
-    return RewardEndpoints(app, _Endpoints(cfg, pool, metrics, known))
+    app.state.guard = guard
+    return RewardEndpoints(app, _Endpoints(cfg, pool, metrics, known, guard))
 
 
 class _Endpoints:
     """The handlers: `(body) -> (status, payload)`, payload a JSON-able object, `JSONBody` or
     text bytes; errors are raised as `RequestError`/`Busy`."""
 
-    def __init__(self, cfg: ServeConfig, pool: WorkerPool, metrics: Metrics, known: frozenset[str]):
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        pool: WorkerPool,
+        metrics: Metrics,
+        known: frozenset[str],
+        guard: ConnectionGuard | None = None,
+    ):
         self.cfg = cfg
         self.pool = pool
         self.metrics = metrics
         self.known = known
+        self.guard = guard
         # path -> (method, handler, needs the token)
         self.routes: dict[str, tuple[bytes, Callable[[bytes], Awaitable[Any]], bool]] = {
             "/score": (b"POST", self.score, True),
@@ -805,6 +817,14 @@ class _Endpoints:
         job = self.pool.run(batch.items, timeout_s)
         await job.future
         results: list[WireResult] = job.results  # type: ignore[assignment]
+        for i, result in enumerate(results):
+            # NaN is not JSON: a verifier's non-finite score or component is the sample's error
+            # (workers' rendered /score results already refuse them: see render_fields).
+            if type(result) is tuple and result[2] is None:
+                problem = protocol.unusable_result(result)
+                if problem is not None:
+                    results[i] = (0.0, {}, problem, result[3], None)
+                    self.metrics.errors[(batch.items[i][0][0], "error")] += 1
         problems = []
         for where, result in zip(batch.wheres, results):
             if type(result) is tuple and result[4] is not None:
@@ -863,7 +883,10 @@ class _Endpoints:
         }
 
     async def metrics_text(self, body: bytes) -> tuple[int, Any]:
-        return 200, self.metrics.render(self.pool).encode()
+        text = self.metrics.render(self.pool)
+        if self.guard is not None:
+            text += self.guard.render() + "\n"
+        return 200, text.encode()
 
     async def root(self, body: bytes) -> tuple[int, Any]:
         # V-Triune's client checks for this exact message before it sends anything to /judge.
@@ -890,7 +913,8 @@ class RewardEndpoints:
         self.app = app
         self.endpoints = endpoints
         self.cfg = endpoints.cfg
-        self.token = endpoints.cfg.token.encode() if endpoints.cfg.token else None
+        self.auth = Authenticator(self.cfg.token, self.cfg.query_token, self.cfg.allow_networks)
+        self.guard = endpoints.guard
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         route = self.endpoints.routes.get(scope.get("path")) if scope["type"] == "http" else None
@@ -903,7 +927,7 @@ class RewardEndpoints:
         try:
             headers = dict(scope["headers"])
             if needs_token:
-                self._check_token(headers.get(b"authorization"))
+                self.auth.check(scope, headers.get(b"authorization"))
             body = (
                 await self._read_body(headers.get(b"content-length"), receive) if route[0] == b"POST" else b""
             )
@@ -921,6 +945,8 @@ class RewardEndpoints:
         except Exception as exc:  # noqa: BLE001 - a server bug: say so, keep serving
             log.exception("internal error in %s", scope["path"])
             status, payload = 500, {"detail": f"internal error: {type(exc).__name__}: {exc}"}
+        if status == 503:  # /ready before a worker is warm
+            extra = [*extra, (b"retry-after", str(self.cfg.retry_after_s).encode())]
         if isinstance(payload, JSONBody):
             body, kind = payload, _JSON
         elif isinstance(payload, bytes):
@@ -936,15 +962,6 @@ class RewardEndpoints:
         )
         await send({"type": "http.response.body", "body": body})
         self.endpoints.metrics.request_done(scope["path"], status, time.perf_counter() - start)
-
-    def _check_token(self, header: bytes | None) -> None:
-        if self.token is None:
-            return
-        if not header:
-            raise RequestError(401, "missing bearer token: send the header 'Authorization: Bearer <token>'")
-        scheme, _, given = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.token):
-            raise RequestError(401, "invalid bearer token")
 
     async def _read_body(self, length: bytes | None, receive: Callable) -> bytes:
         limit = self.cfg.max_body_bytes
@@ -1053,19 +1070,21 @@ def serve(cfg: ServeConfig) -> None:
     app = create_app(cfg)
     config = uvicorn.Config(
         app,
-        host=cfg.host,
+        host=cfg.bind_address(),
         port=cfg.port,
-        http=_nodelay_protocol(),
+        # Connection caps (503 with Retry-After) and the request-head time limit: mmrl.server.guard.
+        http=guarded_protocol(_nodelay_protocol(), app.guard),
         lifespan="on",
         log_level=cfg.log_level,
         access_log=cfg.access_log,
         timeout_keep_alive=int(math.ceil(cfg.keep_alive_s)),
-        limit_concurrency=cfg.max_connections,
+        limit_concurrency=None,  # the guard's caps replace it (uvicorn's 503 has no Retry-After)
         server_header=False,
         # The endpoints never look at the client's address: skip rewriting it from
         # X-Forwarded-For on every request.
         proxy_headers=False,
     )
+    redact_access_log()  # after uvicorn.Config, which configures its loggers
     uvicorn.Server(config).run()
 
 
@@ -1155,9 +1174,10 @@ def start_server_process(
 
     cfg.validate()
     port = cfg.port
+    bind = cfg.bind_address()
     if port == 0:
-        with socket.socket() as s:
-            s.bind((cfg.host, 0))
+        with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as s:
+            s.bind((bind, 0))
             port = s.getsockname()[1]
     tmpdir = tempfile.TemporaryDirectory(prefix="mmrl-serve-")
     config_path = os.path.join(tmpdir.name, "serve.yaml")
@@ -1172,7 +1192,7 @@ def start_server_process(
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
-    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    host = f"[{bind}]" if ":" in bind else bind
     server = ServerProcess(proc, f"http://{host}:{port}", log_path, tmpdir)
     wanted = cfg.resolved_workers() if all_workers else 1
     deadline = time.monotonic() + ready_timeout_s

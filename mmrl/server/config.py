@@ -32,7 +32,16 @@ class ServeConfig:
     event loop that batches the samples of all open requests onto these workers."""
     token: str | None = None
     """Bearer token every request except `/health`, `/ready` and `/` must carry
-    (`Authorization: Bearer <token>`); also read from $MMRL_SERVE_TOKEN."""
+    (`Authorization: Bearer <token>`, or `?token=<token>` in the URL with `query_token`); also
+    read from $MMRL_SERVE_TOKEN."""
+    query_token: bool = True
+    """Also accept the token as the URL's query parameter `token` (`.../get_reward?token=T`),
+    for clients that cannot send a header (OpenRLHF's `--remote_rm_url`). URLs get logged by
+    clients and proxies; mmrl's own access log prints the parameter as `token=***`."""
+    allow_networks: list[str] = field(default_factory=list)
+    """Client networks (CIDR, e.g. `10.0.0.0/8`, `192.168.1.7/32`) whose requests are accepted
+    without a token; with no `token` set, requests from anywhere else get 403. For clients that
+    can carry no token at all (V-Triune's reward client builds its URL itself)."""
     time_limit_s: float = 5.0
     """Per-sample verifier time limit; a timer stops slow Python code, and past
     `time_limit_s + kill_grace_s` the worker process is killed and the sample gets an error."""
@@ -49,14 +58,22 @@ class ServeConfig:
     """Most samples queued or being scored at once; a request that would exceed it gets 429 with
     `Retry-After` (back-pressure instead of an unbounded queue)."""
     retry_after_s: int = 1
-    """Seconds sent in `Retry-After` with a 429."""
+    """Seconds sent in `Retry-After` with a 429 or 503."""
     max_chunk: int = 256
     """Most samples sent to a worker in one message (samples of all requests are batched). An
     idle pool gets each request's samples at once, split between the workers; under load the
     queue is split into messages of up to this many, so the per-message cost (pickling, pipe,
     waking the worker) is spread thin."""
     max_connections: int = 2048
-    """Open connections at most; uvicorn answers 503 beyond (see `limit_concurrency`)."""
+    """Open connections at most (those refused by `max_connections_per_client` not counted);
+    a request on a connection beyond it gets 503 with `Retry-After`, and the connection is closed."""
+    max_connections_per_client: int = 512
+    """Open connections at most from one client address; beyond, as `max_connections`. Every
+    process on the server's own machine shares the address 127.0.0.1."""
+    head_timeout_s: float = 10.0
+    """A connection must deliver a request's head (request line and headers) within this many
+    seconds of opening, or of its first byte after a response; else it is closed. Idle
+    connections that never send a byte are closed after it too."""
     keep_alive_s: float = 30.0
     """Idle keep-alive connections are closed after this many seconds."""
     default_verifier: str = "math"
@@ -101,12 +118,19 @@ class ServeConfig:
             raise ValueError(f"workers must be >= 0 (0: one per core), got {self.workers}")
         if self.label_mode not in LABEL_MODES:
             raise ValueError(f"label_mode must be one of {list(LABEL_MODES)}, got {self.label_mode!r}")
-        for name in ("time_limit_s", "request_timeout_s"):
+        for name in ("time_limit_s", "request_timeout_s", "head_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kill_grace_s < 0:
             raise ValueError(f"kill_grace_s must be >= 0, got {self.kill_grace_s}")
-        for name in ("max_body_bytes", "max_batch", "max_pending", "max_chunk", "max_connections"):
+        for name in (
+            "max_body_bytes",
+            "max_batch",
+            "max_pending",
+            "max_chunk",
+            "max_connections",
+            "max_connections_per_client",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_batch > self.max_pending:
@@ -128,20 +152,44 @@ class ServeConfig:
                 )
         if self.token is not None and not self.token.strip():
             raise ValueError("token is empty; unset it or give a non-empty token")
-        if not is_loopback(self.host) and not self.token:
+        if self.retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {self.retry_after_s}")
+        host = bind_host(self.host)
+        if not host:
+            raise ValueError("host is empty; give an address to bind, such as 127.0.0.1")
+        for i, network in enumerate(self.allow_networks):
+            try:
+                ipaddress.ip_network(str(network), strict=False)
+            except ValueError as exc:
+                raise ValueError(f"allow_networks[{i}]: {exc} (expected CIDR such as 10.0.0.0/8)") from None
+        if not is_loopback(host) and not self.token and not self.allow_networks:
             raise ValueError(
                 f"refusing to bind {self.host!r} without a token: the reward server accepts work from "
                 f"anyone who can reach it. Set a bearer token (${TOKEN_ENV} or `token:` in the config "
-                "file), or bind a loopback address such as 127.0.0.1"
+                "file) or `allow_networks`, or bind a loopback address such as 127.0.0.1"
             )
+
+    def bind_address(self) -> str:
+        """`host` as a socket binds it (`[::1]` -> `::1`)."""
+        return bind_host(self.host)
+
+
+def bind_host(host: str) -> str:
+    """An address as sockets take it: surrounding whitespace and the brackets of a URL's IPv6
+    literal (`[::1]`) removed."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host
 
 
 def is_loopback(host: str) -> bool:
     """True for `localhost` and loopback addresses (127.0.0.0/8, ::1)."""
+    host = bind_host(host)
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -165,6 +213,7 @@ def load_serve_config(
     if overrides:
         merged = OmegaConf.merge(merged, {k: v for k, v in overrides.items() if v is not None})
     cfg: ServeConfig = OmegaConf.to_object(merged)
+    cfg.host = bind_host(cfg.host)
     if cfg.token is None and os.environ.get(TOKEN_ENV):
         cfg.token = os.environ[TOKEN_ENV]
     cfg.validate()

@@ -17,10 +17,11 @@ and every check here raises `RequestError(status, message)` naming the field tha
 
 A sample record is mmrl's (V-Triune's) sample format; only `reward_model` is required here:
 `{"data_source", "prompt", "images", "ability", "reward_model": {"ground_truth", "verifier",
-"verifier_params" (or V-Triune's "verifier_parm", an object or a JSON string), "accuracy_ratio",
-"format_ratio"}, "extra_info": {"id"}}`. Images may be local paths (on the server's disk), base64
-strings, `data:image/...;base64,...` URLs or `{"bytes": <base64>}` / `{"path": ...}` objects; rule-based
-verifiers never read pixels, so they are decoded only with `ServeConfig.check_images`.
+"verifier_params" (or V-Triune's "verifier_parm", an object or a JSON string; a parameter
+given as null is taken as not given), "accuracy_ratio", "format_ratio"}, "extra_info": {"id"}}`.
+Images may be local paths (on the server's disk), base64 strings, `data:image/...;base64,...`
+URLs or `{"bytes": <base64>}` / `{"path": ...}` objects; rule-based verifiers never read pixels,
+so they are decoded only with `ServeConfig.check_images`.
 Without `sample_index`, `samples` and `responses` pair up one to one.
 
 **OpenRLHF** `POST /get_reward`: `{"query": [...], "prompts": [...], "labels": [...], "step": 120,
@@ -53,7 +54,8 @@ import binascii
 import io
 import json
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,20 +93,135 @@ def bad(where: str, problem: str) -> RequestError:
     return RequestError(422, f"{where}: {problem}" if where else problem)
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting accepted in JSON given as a string field (`reward_verifier_parm`,
+`reward_model`, `extra_info`, `verifier_params`, a label): no verifier needs more, and deeper
+values would only reach recursion limits further on."""
+
+
+class MalformedJSON(RequestError):
+    """The text is not JSON at all (as opposed to JSON holding something unusable)."""
+
+
+class _NonFinite(ValueError):
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NonFinite(text)
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise _NonFinite(name)
+
+
+def loads(text: str | bytes, where: str = "") -> Any:
+    """JSON text as Python objects, refusing what would fail later or mean nothing: `NaN`,
+    `Infinity`, a number too large for a float (`1e400`), an integer literal of more than
+    4,300 digits (Python's limit for int <-> str), nesting deeper than the parser's recursion
+    limit. Raises `RequestError`: 400 for malformed text of the body (`where` = ""), else 422
+    naming `where` (and, for an unusable number, the path to it inside the text)."""
+    status, prefix = (400, "malformed JSON: ") if not where else (422, f"{where}: not valid JSON: ")
+    try:
+        return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+    except UnicodeDecodeError as exc:
+        raise MalformedJSON(status, f"{prefix}the body is not UTF-8 ({exc.reason})") from None
+    except json.JSONDecodeError as exc:
+        raise MalformedJSON(status, f"{prefix}{exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except _NonFinite as exc:
+        problem = (
+            f"non-finite number {exc.text[:40]!r}: numbers must be finite (NaN, Infinity and "
+            "values beyond the float range are refused)"
+        )
+    except RecursionError:
+        raise RequestError(status, f"{prefix}nested too deeply") from None
+    except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        if "digits" not in str(exc):
+            raise
+        problem = f"an integer literal of more than {_max_digits()} digits (Python's limit for integers)"
+    path = _bad_number_path(text)
+    place = f"{where}.{path}" if where and path else where or path or "body"
+    raise RequestError(422, f"{place}: {problem}")
+
+
+class _BadNumber:
+    """Stands for an unusable number while `_bad_number_path` looks for it."""
+
+
+def _max_digits() -> int:
+    getter = getattr(sys, "get_int_max_str_digits", None)
+    return getter() if getter is not None else 4300
+
+
+def _bad_number_path(text: str | bytes) -> str:
+    """Where the first unusable number of `text` (valid JSON otherwise) sits: `a.b[3]`, or ""."""
+    marker = _BadNumber()
+    limit = _max_digits()
+
+    def number(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+        def parse(token: str) -> Any:
+            if kind is int and limit and len(token.lstrip("-")) > limit:
+                return marker
+            value = kind(token)
+            return value if kind is int or math.isfinite(value) else marker
+
+        return parse
+
+    try:
+        value = json.loads(
+            text, parse_float=number(float), parse_int=number(int), parse_constant=lambda _: marker
+        )
+    except (ValueError, RecursionError):
+        return ""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if item is marker:
+            return path
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in reversed(list(item.items())))
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item))))
+    return ""
+
+
 def parse_json(body: bytes) -> Any:
-    """The request body as JSON, or 400 saying where it stops being JSON."""
+    """The request body as JSON, or 400 saying where it stops being JSON (422 for a number
+    that cannot be used: see `loads`)."""
     if not body:
         raise RequestError(400, "malformed JSON: the request body is empty")
-    try:
-        return json.loads(body)
-    except UnicodeDecodeError as exc:
-        raise RequestError(400, f"malformed JSON: the body is not UTF-8 ({exc.reason})") from None
-    except json.JSONDecodeError as exc:
-        raise RequestError(
-            400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    except RecursionError:
-        raise RequestError(400, "malformed JSON: nested too deeply") from None
+    return loads(body)
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """True if `value` nests objects/arrays more than `limit` levels deep (iterative)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def loads_field(text: str, where: str) -> Any:
+    """JSON given as a string field: as `loads`, and at most `MAX_JSON_DEPTH` levels deep;
+    every problem is a 422 naming `where`."""
+    value = loads(text, where)
+    if _depth_exceeds(value, MAX_JSON_DEPTH):
+        raise bad(where, f"not valid JSON: nested more than {MAX_JSON_DEPTH} levels deep")
+    return value
 
 
 def _type_name(value: Any) -> str:
@@ -115,10 +232,7 @@ def _type_name(value: Any) -> str:
 
 def _object(value: Any, where: str, *, json_string: bool = False) -> dict:
     if json_string and isinstance(value, str):
-        try:
-            value = json.loads(value) if value.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise bad(where, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
+        value = loads_field(value, where) if value.strip() else {}
     if not isinstance(value, dict):
         raise bad(where, f"must be an object, got {_type_name(value)}")
     return value
@@ -143,9 +257,19 @@ def _ratio(value: Any, where: str, default: float, upper: float | None = 1.0) ->
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(where, f"must be a number, got {_type_name(value)}")
-    if not (value >= 0 and (upper is None or value <= upper)):
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad(where, "must be a finite number")
+    if not (number >= 0 and (upper is None or number <= upper)):
         raise bad(where, f"must be a number in [0, {upper if upper is not None else 'inf'}], got {value!r}")
-    return float(value)
+    return number
+
+
+MAX_INT = 2**63 - 1
+"""Largest step / total_steps accepted."""
 
 
 def _int(value: Any, where: str, minimum: int) -> int:
@@ -153,6 +277,8 @@ def _int(value: Any, where: str, minimum: int) -> int:
         raise bad(where, f"must be an integer, got {_type_name(value)}")
     if value < minimum:
         raise bad(where, f"must be >= {minimum}, got {value}")
+    if value > MAX_INT:
+        raise bad(where, f"must be at most 2^63 - 1, got an integer of {len(str(value))} digits")
     return value
 
 
@@ -174,6 +300,8 @@ def _reward_fields(reward: dict, where: str, known: frozenset[str]) -> tuple[str
     if params is None and reward.get("verifier_parm") is not None:
         params, key = reward["verifier_parm"], "verifier_parm"
     params = {} if params is None else _object(params, f"{where}.{key}", json_string=True)
+    if None in params.values():  # null means "not given" (Arrow struct columns send missing keys so)
+        params = {k: v for k, v in params.items() if v is not None}
     accuracy = _ratio(reward.get("accuracy_ratio"), f"{where}.accuracy_ratio", 1.0)
     fmt = _ratio(reward.get("format_ratio"), f"{where}.format_ratio", 0.0)
     return verifier, reward["ground_truth"], params, accuracy, fmt
@@ -325,7 +453,10 @@ def parse_score_request(
     if timeout_s is not None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise bad("timeout_s", f"must be a number of seconds > 0, got {timeout_s!r}")
-        timeout_s = float(timeout_s)
+        try:
+            timeout_s = float(timeout_s)
+        except OverflowError:  # an integer beyond the float range: no limit beyond the server's
+            timeout_s = math.inf
     parsed: dict[int, tuple] = {}
     tail = (context.step, context.total_steps, True)
     items, ids, wheres = [], [], []
@@ -354,22 +485,37 @@ _json_string = json.encoder.encode_basestring_ascii
 
 
 def _json_float(value: float) -> str:
-    """A float as `json.dumps` writes it (NaN and infinities included)."""
-    if value != value:
-        return "NaN"
-    if value == math.inf:
-        return "Infinity"
-    if value == -math.inf:
-        return "-Infinity"
+    """A finite float as `json.dumps` writes it; ValueError for NaN and infinities, which are
+    not JSON (a verifier that returns one has a bug: the sample gets an error result)."""
+    if value - value != 0.0:  # NaN or an infinity
+        raise ValueError(f"the verifier returned a non-finite score ({value!r})")
     return float.__repr__(value)
 
 
-def _json_number(value: Any) -> str:
-    """A component value as the float JSON number the results carry (NaN if not a number)."""
+def _json_number(key: str, value: Any) -> str:
+    """A component value as the finite float JSON number the results carry (ValueError if it
+    is not a finite number)."""
     try:
-        return _json_float(float(value))
-    except (TypeError, ValueError):
-        return "NaN"
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(
+            f"the verifier returned component {key!r} that is not a number ({str(value)[:60]!r})"
+        ) from None
+    if number - number != 0.0:
+        raise ValueError(f"the verifier returned a non-finite component {key!r} ({number!r})")
+    return float.__repr__(number)
+
+
+def unusable_result(result: tuple) -> str | None:
+    """Why a worker's `(score, components, ...)` result cannot be sent (a non-finite score or
+    component: NaN is not JSON), or None."""
+    try:
+        _json_float(float(result[0]))
+        for key, value in result[1].items():
+            _json_number(str(key), value)
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return None
 
 
 _COMPONENTS_TEXT: dict[tuple, str] = {}
@@ -382,7 +528,8 @@ def render_fields(score: float, components: dict[str, Any], extracted: Any) -> s
     """A `/score` result without error, less its id, as JSON text: what
     `json.dumps(result_json(id, result))` writes after `{"id":...,` (component keys as str,
     values as floats, `extracted` as str). Written by the verifier workers, so the server's
-    event loop only joins the texts."""
+    event loop only joins the texts. ValueError for a non-finite score or component (the
+    worker makes that the sample's error result)."""
     try:
         key: tuple | None = tuple(components.items())
         # Only texts of all-str keys are stored, and no tuple with a key of another type
@@ -394,7 +541,7 @@ def render_fields(score: float, components: dict[str, Any], extracted: Any) -> s
         if not all(type(k) is str for k in components):
             key = None  # named as the result tuple names them (1 and "1" are one key, the last wins)
             components = {str(k): v for k, v in components.items()}
-        parts = ",".join([_json_string(k) + ":" + _json_number(v) for k, v in components.items()])
+        parts = ",".join([_json_string(k) + ":" + _json_number(k, v) for k, v in components.items()])
         if key is not None:
             if len(_COMPONENTS_TEXT) >= 1024:
                 _COMPONENTS_TEXT.clear()
@@ -481,11 +628,11 @@ def _label(label: Any, where: str, known: frozenset[str], mode: str, default_ver
             as_object = label
         elif isinstance(label, str) and label.lstrip().startswith("{"):
             try:
-                decoded = json.loads(label)
-            except json.JSONDecodeError as exc:
+                decoded = loads_field(label, where)
+            except MalformedJSON:
                 if mode == "reward_model":
-                    raise bad(where, f"not valid JSON: {exc.msg} at column {exc.colno}") from None
-                decoded = None
+                    raise
+                decoded = None  # auto: text that merely starts with "{" is a ground truth
             as_object = decoded if isinstance(decoded, dict) else None
         if (
             mode == "auto"
@@ -635,8 +782,11 @@ def parse_judge(
     accuracy = _ratio(data.get("accuracy_ratio"), "accuracy_ratio", 1.0, upper=None)
     fmt_key = "format_ratio" if data.get("format_ratio") is not None else "fmt_ratio"
     fmt = _ratio(data.get(fmt_key), fmt_key, default_format_ratio, upper=None)
-    if accuracy + fmt <= 0:
+    scale = max(accuracy, fmt)
+    if scale <= 0:
         raise bad("accuracy_ratio", "accuracy_ratio + format_ratio must be > 0")
+    # Normalised by the larger one first: 1e308 + 1e308 would overflow to inf (and give 0, 0).
+    accuracy, fmt = accuracy / scale, fmt / scale
     data_source = data.get("data_source") or "vtriune"
     data_source = _string(data_source, "data_source")
     prompt = data.get("prompt")
