@@ -415,7 +415,15 @@ def test_rejection_runs_and_reports_per_source(mmrl_cache, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["clip_cov", "kl_cov"])
 def test_covariance_losses_run(loss, mmrl_cache, tmp_path):
-    steps = _run(tmp_path, f"algo.policy_loss={loss}", "algo.cov_ratio=0.2")
+    # A wide candidate window (-100, 100) so that Clip-Cov's selection happens on this tiny task
+    # (its covariances stay far below veRL's default lower bound of 1).
+    steps = _run(
+        tmp_path,
+        f"algo.policy_loss={loss}",
+        "algo.cov_ratio=0.2",
+        "algo.clip_cov_lb=-100",
+        "algo.clip_cov_ub=100",
+    )
     assert all(r["actor/cov_frac"] > 0 for r in steps)
 
 
