@@ -22,7 +22,7 @@ from mmrl.algos.stability import (
 )
 from mmrl.algos.tis import tis_weights
 from mmrl.config import load_config
-from mmrl.train.stability import reset_reference
+from mmrl.train.stability import StabilityState, reset_reference
 
 KW = {"clip_low": 0.2, "clip_high": 0.28}
 
@@ -435,6 +435,28 @@ def test_adaptive_entropy_runs_and_moves_the_coefficient(mmrl_cache, tmp_path):
     # The entropy is far below the target: the coefficient rises by delta each step.
     assert [r["entropy/coef"] for r in steps] == pytest.approx([0.001, 0.003])
     assert steps[-1]["entropy/next_coef"] == pytest.approx(0.005)
+
+
+def test_stability_state_round_trips_through_a_state_dict():
+    state = StabilityState(AdaptiveEntropyCoef(coef=0.01, target=0.5, delta=0.005, max_coef=0.02), 4, [4])
+    state.entropy.update(0.3)
+    restored = StabilityState()
+    restored.load_state_dict(copy.deepcopy(state.state_dict()))
+    assert restored == state and restored.entropy.current() == pytest.approx(0.015)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_the_adaptive_entropy_coefficient(mmrl_cache, tmp_path):
+    args = ["algo.entropy_target=100.0", "algo.entropy_coef=0.001", "algo.entropy_coef_delta=0.002"]
+    _run(tmp_path, *args)  # two steps, then a checkpoint
+    from mmrl.train.grpo import train
+
+    overrides = [*SHORT, *args, "trainer.total_steps=3", "trainer.resume=auto", f"trainer.run_dir={tmp_path}"]
+    train(load_config("vision_reasoning", overrides=overrides))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "entropy/coef" in r]
+    # Not back at the starting 0.001: step 3 applies what step 2 left (0.005).
+    assert [r["entropy/coef"] for r in steps] == pytest.approx([0.001, 0.003, 0.005])
 
 
 @pytest.mark.slow

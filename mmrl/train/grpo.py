@@ -307,6 +307,7 @@ def write_checkpoint(
         "scheduler": t.scheduler.state_dict(),
         "sampler": sampler.state_dict(),
         "progress": progress.__dict__.copy(),
+        "stability": t.stability.state_dict(),
     }
     path = save_checkpoint(
         run_dir,
@@ -345,6 +346,8 @@ def resume_from(
     t.scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
     progress.__dict__.update(state["progress"])
+    if "stability" in state:  # checkpoints written before the stability options have none
+        t.stability.load_state_dict(state["stability"])
     set_rng_state(state["rng"])
     log.info("resumed from %s at step %d", path, progress.step)
     return True

@@ -32,6 +32,20 @@ class StabilityState:
     resets: list[int] = field(default_factory=list)
     """Steps after which the reference was reset (the events)."""
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (the reference weights after a reset are not kept: a resumed
+        run's reference is the initial policy until its next reset)."""
+        return {
+            "entropy": None if self.entropy is None else dataclasses.asdict(self.entropy),
+            "last_reset_step": self.last_reset_step,
+            "resets": list(self.resets),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.entropy = None if state["entropy"] is None else AdaptiveEntropyCoef(**state["entropy"])
+        self.last_reset_step = state["last_reset_step"]
+        self.resets = list(state["resets"])
+
     def step_config(self, cfg: Config) -> Config:
         """`cfg` with `algo.entropy_coef` the adaptive coefficient's current value (or `cfg`)."""
         a = cfg.algo
