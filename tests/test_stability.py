@@ -472,3 +472,91 @@ def test_reference_reset_runs_and_is_logged_as_an_event(mmrl_cache, tmp_path, ca
     assert [r["event/ref_reset"] for r in steps] == [0.0, 1.0]
     assert steps[1]["event/optimizer_reset"] == 1.0
     assert "step 2: reference reset to the current policy" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------
+# Mismatch demonstration: a known perturbation of the rollout log-probs
+
+
+def _grad_norm(
+    trainer: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor, adv: torch.Tensor
+) -> float:
+    lp = trainer.clone().requires_grad_()
+    loss, _ = get_policy_loss("ppo")(lp, trainer, adv, mask, weights=weights, **KW)
+    loss.backward()
+    return float(lp.grad.norm())
+
+
+def test_a_rollout_spike_blows_up_plain_is_and_masking_or_rejection_keep_the_update_bounded():
+    g = torch.Generator().manual_seed(0)
+    trainer = -torch.rand(8, 16, generator=g) * 3
+    mask = torch.ones(8, 16)
+    adv = torch.tensor([1.0, -1.0] * 4)
+    # A bf16-sized jitter everywhere, and on rows 0 and 1 one token the rollout engine gave
+    # e^-6 of the trainer's probability (the sudden late-training gap).
+    rollout = trainer + torch.randn(8, 16, generator=g) * 0.01
+    rollout[0, 3] -= 6.0
+    rollout[1, 7] -= 6.0
+    nominal = _grad_norm(trainer, None, mask, adv)  # no mismatch at all
+    plain, _ = tis_weights(trainer, rollout, mask, level="sequence", cap=1e30)  # untruncated IS
+    band, m_band = tis_weights(trainer, rollout, mask, level="sequence", cap=2.0, mode="band")
+    keep, m_rej = rejection_keep(trainer, rollout, mask, level="max_token", low=0.5, high=2.0)
+    # The metrics see it: 2 of 8 responses / 32 of 128 tokens out of the band.
+    assert m_band["tis/masked_frac"] == pytest.approx(32 / 128) and m_band["tis/weight_max"] > 300
+    assert (
+        m_rej["rejection/seq_frac"] == pytest.approx(2 / 8) and keep.tolist() == [False, False] + [True] * 6
+    )
+    # Plain sequence IS multiplies those rows' gradients by ~e^6 = 403; masking leaves the other
+    # rows' gradient, within a few percent of the nominal one.
+    assert _grad_norm(trainer, plain, mask, adv) > 100 * nominal
+    assert _grad_norm(trainer, band, mask, adv) <= 1.1 * nominal
+    # Rejection: 6 rows of 16 tokens each get -A / 96 (the token mean is over the kept tokens).
+    rejected_norm = _grad_norm(trainer, None, mask * keep.unsqueeze(1), adv)
+    assert rejected_norm == pytest.approx(nominal * math.sqrt(128 / 96), rel=1e-5)
+
+
+def test_bfloat16_rollout_log_probs_differ_from_float32_and_the_metrics_see_it(tiny_policy):
+    model = tiny_policy.model.eval()
+    ids = torch.randint(0, 200, (4, 24), generator=torch.Generator().manual_seed(0))
+
+    def token_logprobs(m: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            logits = m(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+        return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+    trainer = token_logprobs(model)
+    rollout = token_logprobs(copy.deepcopy(model).to(torch.bfloat16))
+    mask = torch.ones_like(trainer)
+    _, m = tis_weights(trainer, rollout, mask, level="token", cap=2.0)
+    assert m["rollout/kl_k3"] > 0 and m["tis/weight_max"] != m["tis/weight_min"]
+    # A band as tight as the precision gap masks some tokens, and not all.
+    x = (trainer - rollout).abs().max().item()
+    _, m = tis_weights(trainer, rollout, mask, level="token", cap=math.exp(x / 2), mode="band")
+    assert 0 < m["tis/masked_frac"] < 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", ["band", "rejection"])
+def test_an_injected_rollout_spike_is_seen_and_masked_in_the_trainer(
+    option, mmrl_cache, tmp_path, monkeypatch
+):
+    from mmrl.rollout.hf import HFRolloutEngine
+
+    generate = HFRolloutEngine.generate
+
+    def spiked(self, *args, **kwargs):
+        batch = generate(self, *args, **kwargs)
+        batch.rollout_logprobs = batch.rollout_logprobs.clone()
+        batch.rollout_logprobs[::2, 0] -= 3.0  # every other response: its first token, ratio e^3
+        return batch
+
+    monkeypatch.setattr(HFRolloutEngine, "generate", spiked)
+    if option == "band":
+        steps = _run(tmp_path, "algo.tis=token", "algo.tis_mode=band", "algo.tis_cap=2.0")
+        for r in steps:  # one token in each of 4 of the 8 responses
+            tokens = r["response/length_mean"] * 8
+            assert r["mismatch/masked_token_frac"] == pytest.approx(4 / tokens, rel=1e-6)
+            assert r["tis/weight_max"] == pytest.approx(math.exp(3.0), rel=0.05)
+    else:
+        steps = _run(tmp_path, "algo.rejection=max_token", "algo.rejection_high=2.0")
+        assert all(r["mismatch/rejected_frac"] == 0.5 for r in steps)
