@@ -1,7 +1,18 @@
 """Stability toolkit (issue 19, parts 1-3): IcePop token masking, rollout rejection, IS-weight
 batch normalisation, Clip-Cov / KL-Cov (veRL's definitions), forking tokens, the adaptive
 entropy coefficient and ProRL's reference reset: hand-worked values and gradients, edge cases,
-config checks, and one short in-process run of the built-in task per option."""
+config checks, one short in-process run of the built-in task per option, and the mismatch
+demonstration (an injected rollout spike; bf16 against fp32 log-probs).
+
+Checked against veRL itself (volcengine/verl at b178a3cd, 2026-01-29) in a scratch environment,
+not kept here: its `compute_policy_loss_clip_cov`, `compute_policy_loss_kl_cov` and
+`compute_rollout_rejection_mask` were taken from its source (with `verl_F.masked_sum/mean` as
+veRL defines them) and run beside mmrl's on 50 seeded random batches (6 x 10, a quarter of the
+tokens masked, normal advantages): Clip-Cov (same torch seed: the same random draw) and KL-Cov
+gave identical losses and gradients (max difference 0.0); veRL's `seq_mean_k1`, `seq_sum_k1` and
+`token_k1` with bounds "0.7_1.6" rejected exactly the responses mmrl's `geometric`, `sequence` and
+`max_token` reject with low = 1 / 1.6, high = 1 / 0.7 (veRL's k1 is log rollout / trainer, the
+inverse ratio)."""
 
 from __future__ import annotations
 

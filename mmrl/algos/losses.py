@@ -400,7 +400,7 @@ def clip_cov_loss(
         candidates = m & ~clipped_by_ppo & (cov > cov_lb) & (cov < cov_ub)
         idx = candidates.nonzero()
         k = max(int(cov_ratio * int(m.sum())), 1)
-        if len(idx) > k:
+        if len(idx):  # a permutation whenever there are candidates, as veRL draws one
             idx = idx[torch.randperm(len(idx))[:k].to(idx.device)]
         keep = torch.ones_like(ratio)
         keep[idx[:, 0], idx[:, 1]] = 0.0

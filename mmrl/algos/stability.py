@@ -48,7 +48,9 @@ def rejection_keep(
         sequence:   keep iff low <= exp(sum_t x_t) <= high           (the sequence ratio)
         max_token:  keep iff low <= exp(x_t) <= high for every t     (the largest token deviation)
 
-    Compared in log space (no overflow). A rejected response leaves the loss as a whole; its
+    In veRL's current options: `geometric` is `seq_mean_k1`, `sequence` is `seq_sum_k1`, and
+    `max_token` keeps what `token_k1` leaves whole, each with bounds "1/high_1/low" (veRL's k1 is
+    log pi_rollout / pi_trainer). Compared in log space (no overflow). A rejected response leaves the loss as a whole; its
     reward still counts in its group's statistics (as in veRL, where the rejection mask only
     changes the loss mask). A row with no response token is kept (there is nothing to judge).
 
