@@ -587,6 +587,10 @@ class Config:
                 "algo.ref_reset_every / ref_reset_kl need a reference (algo.kl_coef > 0)",
             ),
             (
+                a.ref_reset_kl == 0 or not a.kl_in_reward,
+                "algo.ref_reset_kl reads the loss's reference KL (actor/ref_kl): it needs algo.kl_in_reward=false",
+            ),
+            (
                 not resets or self.model.lora_rank == 0,
                 "algo.ref_reset_every / ref_reset_kl are not supported with LoRA (the reference is the base model)",
             ),

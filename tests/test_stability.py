@@ -341,6 +341,27 @@ def test_reference_reset_copies_the_policy_and_optionally_clears_the_optimizer(t
         )
 
 
+def test_reference_reset_schedule_every_n_steps_and_on_a_kl_bound():
+    policy = torch.nn.Linear(2, 2)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    t = SimpleNamespace(reference=reference, policy=SimpleNamespace(model=policy), optimizer=None)
+    cfg = load_config(overrides=["algo.kl_coef=0.01", "algo.ref_reset_every=3", "algo.ref_reset_kl=0.5"])
+    state = StabilityState()
+    fired = []
+    for step, kl in enumerate([0.1, 0.6, 0.1, 0.1, 0.1, 0.1, 0.9], start=1):
+        with torch.no_grad():
+            policy.weight += 1.0  # the policy moves every step
+        out = state.after_update(cfg, t, {"actor/ref_kl": kl, "actor/skipped_steps": 0.0}, step)
+        fired.append(out["event/ref_reset"])
+        if out["event/ref_reset"]:
+            assert torch.equal(reference.weight, policy.weight)
+    # Step 2: the KL bound; step 5: 3 steps after the last reset; step 7: the bound again.
+    assert fired == [0, 1, 0, 0, 1, 0, 1] and state.resets == [2, 5, 7]
+    # A step that did not update the policy never resets.
+    out = state.after_update(cfg, t, {"actor/ref_kl": 0.9, "actor/skipped_steps": 1.0}, 8)
+    assert out["event/ref_reset"] == 0
+
+
 def _dummy_inputs(model) -> dict:
     return {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
 
@@ -365,6 +386,10 @@ def _dummy_inputs(model) -> dict:
         (["algo.forking_frac=1.5"], "algo.forking_frac must be in"),
         (["algo.forking_scope=token"], "algo.forking_scope must be"),
         (["algo.ref_reset_every=10"], "need a reference"),
+        (
+            ["algo.ref_reset_kl=0.1", "algo.kl_coef=0.01", "algo.kl_in_reward=true"],
+            "needs algo.kl_in_reward=false",
+        ),
         (["algo.ref_reset_every=10", "algo.kl_coef=0.01", "model.lora_rank=8"], "not supported with LoRA"),
     ],
 )
