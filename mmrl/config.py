@@ -205,8 +205,9 @@ class AlgoConfig:
     """GDPO: one weight per component (empty: all 1)."""
     # -- policy loss --
     policy_loss: str = "ppo"
-    """ppo (clip-higher, optional dual-clip), gspo (sequence-level ratio) or cispo (clipped,
-    stop-gradient importance weight times log-prob)."""
+    """ppo (clip-higher, optional dual-clip), gspo (sequence-level ratio), cispo (clipped,
+    stop-gradient importance weight times log-prob), clip_cov or kl_cov (Cui et al. 2025: no
+    gradient for / a KL penalty on the tokens of highest log-prob/advantage covariance)."""
     loss_agg: str = "token_mean"
     """token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr.GRPO: token sums over a
     constant, rollout.max_new_tokens)."""
@@ -236,7 +237,46 @@ class AlgoConfig:
     tis_cap: float = 2.0
     """TIS weights are truncated (or masked) above this."""
     tis_mode: str = "truncate"
-    """truncate: min(w, cap); mask: weight 0 where w > cap."""
+    """truncate: min(w, cap); mask: weight 0 where w > cap; band: weight 0 where w leaves
+    [tis_low, tis_cap] (IcePop)."""
+    # -- stability (mmrl.algos.stability; README "Stability") --
+    tis_low: float = 0.0
+    """tis_mode=band: the band's lower bound (0: 1 / tis_cap)."""
+    tis_batch_norm: bool = False
+    """Divide the IS weights by their batch mean (mean 1; veRL's rollout_is_batch_normalize)."""
+    rejection: str = "off"
+    """Rollout rejection: drop whole responses whose pi_trainer / pi_rollout is out of
+    [rejection_low, rejection_high]: off, geometric (geometric-mean ratio), sequence (product)
+    or max_token (any token out of the band)."""
+    rejection_low: float = 0.0
+    """Lower bound of the rejection band (0: 1 / rejection_high)."""
+    rejection_high: float = 2.0
+    """Upper bound of the rejection band."""
+    cov_ratio: float = 2e-4
+    """clip_cov / kl_cov: fraction of the tokens selected by covariance (veRL's default)."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens with covariance above this are candidates."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: only tokens with covariance below this are candidates."""
+    kl_cov_coef: float = 1.0
+    """kl_cov: weight of |log r| on the selected tokens (veRL's ppo_kl_coef)."""
+    entropy_target: float = 0.0
+    """> 0: adaptive entropy coefficient (Skywork-OR1) holding the mean token entropy near this;
+    algo.entropy_coef is its starting value."""
+    entropy_coef_delta: float = 0.005
+    """Adaptive entropy: the coefficient's step per training step."""
+    entropy_coef_max: float = 0.05
+    """Adaptive entropy: the coefficient's ceiling."""
+    forking_frac: float = 0.0
+    """> 0: train only on the top `forking_frac` entropy tokens (Wang et al. 2025, 0.2)."""
+    forking_scope: str = "response"
+    """Forking tokens chosen per `response` or over the whole (micro-)`batch` as in the paper."""
+    ref_reset_every: int = 0
+    """ProRL: reset the KL reference to the current policy every N steps (0: never)."""
+    ref_reset_kl: float = 0.0
+    """ProRL: also reset when the step's reference KL (actor/ref_kl) exceeds this (0: never)."""
+    ref_reset_optimizer: bool = False
+    """ProRL: clear the optimizer state (AdamW moments) at each reference reset."""
     # -- DAPO --
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and generate more until the batch is full."""
@@ -435,16 +475,20 @@ class Config:
             (self.algo.clip_high >= 0, "algo.clip_high must be >= 0"),
             (self.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator must be k1, k2 or k3"),
             (
-                self.algo.policy_loss in ("ppo", "gspo", "cispo"),
-                "algo.policy_loss must be ppo, gspo or cispo",
+                self.algo.policy_loss in ("ppo", "gspo", "cispo", "clip_cov", "kl_cov"),
+                "algo.policy_loss must be ppo, gspo, cispo, clip_cov or kl_cov",
             ),
+            *self._stability_checks(),
             (
                 self.algo.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
                 "algo.loss_agg must be token_mean, seq_mean_token_mean or seq_mean_token_sum_norm",
             ),
             (self.algo.clip_dual == 0 or self.algo.clip_dual > 1, "algo.clip_dual must be 0 (off) or > 1"),
             (self.algo.tis in ("off", "token", "sequence"), "algo.tis must be off, token or sequence"),
-            (self.algo.tis_mode in ("truncate", "mask"), "algo.tis_mode must be truncate or mask"),
+            (
+                self.algo.tis_mode in ("truncate", "mask", "band"),
+                "algo.tis_mode must be truncate, mask or band",
+            ),
             (self.algo.tis_cap > 0, "algo.tis_cap must be > 0"),
             (
                 self.algo.tis == "off" or self.algo.old_logprobs == "recompute",
@@ -538,6 +582,76 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid config: {message}")
+
+    def _stability_checks(self) -> list[tuple[bool, str]]:
+        """Checks of the stability fields of `algo` (mmrl.algos.stability)."""
+        a = self.algo
+        resets = a.ref_reset_every > 0 or a.ref_reset_kl > 0
+        high = a.rejection_high
+        return [
+            (
+                a.tis_low >= 0 and (a.tis_low == 0 or a.tis_low < a.tis_cap),
+                "algo.tis_low must be 0 (1 / tis_cap) or in (0, tis_cap)",
+            ),
+            (
+                a.tis_mode != "band" or a.tis_cap > 1 or a.tis_low > 0,
+                "algo.tis_mode=band needs tis_cap > 1 or tis_low set",
+            ),
+            (not a.tis_batch_norm or a.tis != "off", "algo.tis_batch_norm needs algo.tis=token or sequence"),
+            (
+                a.rejection in ("off", "geometric", "sequence", "max_token"),
+                "algo.rejection must be off, geometric, sequence or max_token",
+            ),
+            (
+                a.rejection == "off" or a.old_logprobs == "recompute",
+                "algo.rejection needs algo.old_logprobs=recompute (with rollout log-probs every ratio is 1)",
+            ),
+            (
+                a.rejection_low >= 0
+                and high > 0
+                and (a.rejection_low if a.rejection_low > 0 else 1 / high) < high,
+                "algo.rejection_low (0: 1 / rejection_high) must be below algo.rejection_high",
+            ),
+            (0 < a.cov_ratio <= 1, "algo.cov_ratio must be in (0, 1]"),
+            (a.clip_cov_lb < a.clip_cov_ub, "algo.clip_cov_lb must be < algo.clip_cov_ub"),
+            (a.kl_cov_coef >= 0, "algo.kl_cov_coef must be >= 0"),
+            (
+                a.policy_loss not in ("clip_cov", "kl_cov") or a.clip_dual == 0,
+                "algo.clip_dual does not apply to clip_cov / kl_cov (set it to 0)",
+            ),
+            (a.entropy_target >= 0, "algo.entropy_target must be >= 0 (0: off)"),
+            (a.entropy_coef_delta >= 0, "algo.entropy_coef_delta must be >= 0"),
+            (
+                a.entropy_target == 0 or 0 <= a.entropy_coef <= a.entropy_coef_max,
+                "algo.entropy_coef (the adaptive coefficient's start) must be in [0, algo.entropy_coef_max]",
+            ),
+            (
+                self.trainer.train_workers == 1 or a.entropy_target == 0 or a.loss_agg == "token_mean",
+                "trainer.train_workers > 1 with algo.entropy_target > 0 needs algo.loss_agg=token_mean",
+            ),
+            (0 <= a.forking_frac <= 1, "algo.forking_frac must be in [0, 1] (0: off)"),
+            (a.forking_scope in ("response", "batch"), "algo.forking_scope must be response or batch"),
+            (
+                a.ref_reset_every >= 0 and a.ref_reset_kl >= 0,
+                "algo.ref_reset_every and algo.ref_reset_kl must be >= 0",
+            ),
+            (
+                not resets or a.kl_coef > 0,
+                "algo.ref_reset_every / ref_reset_kl need a reference (algo.kl_coef > 0)",
+            ),
+            (
+                a.ref_reset_kl == 0 or not a.kl_in_reward,
+                "algo.ref_reset_kl reads the loss's reference KL (actor/ref_kl): it needs algo.kl_in_reward=false",
+            ),
+            (
+                not resets or self.model.lora_rank == 0,
+                "algo.ref_reset_every / ref_reset_kl are not supported with LoRA (the reference is the base model)",
+            ),
+            (
+                not resets or self.trainer.backend == "local",
+                "algo.ref_reset_every / ref_reset_kl need trainer.backend=local",
+            ),
+        ]
 
 
 def task_names() -> list[str]:

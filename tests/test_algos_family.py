@@ -223,7 +223,9 @@ def one_token(name: str, ratio: float, advantage: float, **kw):
 
 
 def test_every_loss_is_registered_by_name():
-    assert sorted(POLICY_LOSSES) == sorted(LOSSES)
+    # clip_cov / kl_cov (tests/test_stability.py) select tokens by statistics of the call's own
+    # tokens, so the micro-batch property below does not hold for them.
+    assert sorted(POLICY_LOSSES) == sorted([*LOSSES, "clip_cov", "kl_cov"])
     with pytest.raises(ValueError, match="unknown policy loss 'ppg'"):
         get_policy_loss("ppg")
 

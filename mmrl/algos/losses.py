@@ -21,6 +21,11 @@ and returns metrics over the masked tokens: `clip_frac_low`, `clip_frac_high`,
 | `ppo` | max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), dual-clipped at -A c for A < 0 |
 | `gspo` | the same on the sequence ratio s_i = exp(mean_t log r_t), token form sg(s_i) pi / sg(pi) |
 | `cispo` | -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi |
+| `clip_cov` | PPO, with a random few high-covariance tokens (cov(log pi, A) in (lb, ub)) given no gradient |
+| `kl_cov` | -A r, plus kl_coef abs(log r) on the top-k covariance tokens |
+
+`clip_cov` takes `cov_ratio`, `cov_lb`, `cov_ub`; `kl_cov` takes `cov_ratio`, `kl_coef`
+(`loss_options` gives them from `algo`).
 
 Aggregations (`AGGREGATIONS`, see `aggregate`): `token_mean`, `seq_mean_token_mean`,
 `seq_mean_token_sum_norm`. When a mini-batch is split into micro-batches, pass every
@@ -340,6 +345,133 @@ def cispo_loss(
     return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None, signed=False)
 
 
+def _masked_scalar_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp(min=1)
+
+
+@register_policy_loss("clip_cov")
+def clip_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None = None,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+    cov_ratio: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models"), as veRL's `compute_policy_loss_clip_cov` defines it:
+
+        l_t    = max(-A r_t, -A clip(r_t, 1 - clip_low, 1 + clip_high))       (PPO, no dual-clip)
+        cov_t  = (A_t - mean(A)) (log pi_t - mean(log pi))     means over the masked tokens
+        C      = tokens not already clipped by PPO with cov_lb < cov_t < cov_ub
+        k      = max(floor(cov_ratio * #masked tokens), 1)
+        S      = k tokens drawn uniformly at random from C (all of C if it has <= k)
+        loss   = aggregate(w_t l_t 1[t not in S], mask, agg, denom, max_len)
+
+    The selected tokens, those whose log-prob moves most with the advantage (the covariance
+    that drives entropy down), get no gradient. The random draw uses torch's global generator.
+    Statistics are over this call's tokens (veRL: the micro-batch).
+
+    Metrics: the PPO ones, plus `cov_frac` (tokens in S / masked tokens); `clip_frac_dual` 0.
+    """
+    _check_inputs("clip_cov", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
+    if clip_dual is not None:
+        raise ValueError("clip_cov: dual-clip does not apply (veRL's Clip-Cov has none)")
+    if not cov_ratio > 0:
+        raise ValueError(f"clip_cov: cov_ratio must be > 0, got {cov_ratio}")
+    m = mask > 0
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    with torch.no_grad():
+        lp = torch.where(m, logprobs.detach(), torch.zeros_like(logprobs))
+        cov = (adv - _masked_scalar_mean(adv, m)) * (lp - _masked_scalar_mean(lp, m))
+        clipped_by_ppo = (loss2 > loss1) & m
+        candidates = m & ~clipped_by_ppo & (cov > cov_lb) & (cov < cov_ub)
+        idx = candidates.nonzero()
+        k = max(int(cov_ratio * int(m.sum())), 1)
+        if len(idx):  # a permutation whenever there are candidates, as veRL draws one
+            idx = idx[torch.randperm(len(idx))[:k].to(idx.device)]
+        keep = torch.ones_like(ratio)
+        keep[idx[:, 0], idx[:, 1]] = 0.0
+    per_token = _weighted(torch.maximum(loss1, loss2) * keep, weights)
+    loss = aggregate(per_token, mask, agg, denom, max_len)
+    metrics = _ratio_metrics(ratio, adv, m, clip_low, clip_high, None)
+    metrics["cov_frac"] = float(len(idx)) / max(int(m.sum()), 1)
+    return loss, metrics
+
+
+@register_policy_loss("kl_cov")
+def kl_cov_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None = None,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+    cov_ratio: float = 2e-4,
+    kl_coef: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
+    Language Models"), as veRL's `compute_policy_loss_kl_cov` defines it:
+
+        l_t    = -A r_t                                     (no clipping at all)
+        cov_t  = (A_t - mean(A)) (log pi_t - mean(log pi))  means over the masked tokens
+        S      = the k = max(floor(cov_ratio * #masked tokens), 1) tokens of largest cov_t
+        l_t   += kl_coef |log pi_t - log pi_old,t|          for t in S
+        loss   = aggregate(w_t l_t, mask, agg, denom, max_len)
+
+    The high-covariance tokens are held near the old policy by a KL-like penalty instead of being
+    clipped. clip_low / clip_high do not enter the loss; the clip fractions report what PPO would
+    have clipped. Ties in cov keep the earlier token.
+
+    Metrics: the PPO ones, `cov_frac` (tokens in S / masked tokens), `ppo_kl_abs` (mean
+    |log r| over the masked tokens).
+    """
+    _check_inputs("kl_cov", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
+    if clip_dual is not None:
+        raise ValueError("kl_cov: dual-clip does not apply (veRL's KL-Cov does not clip)")
+    if not cov_ratio > 0:
+        raise ValueError(f"kl_cov: cov_ratio must be > 0, got {cov_ratio}")
+    m = mask > 0
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    per_token = -adv * ratio
+    n = int(m.sum())
+    selected = torch.zeros_like(m)
+    if n:
+        with torch.no_grad():
+            lp = torch.where(m, logprobs.detach(), torch.zeros_like(logprobs))
+            cov = (adv - _masked_scalar_mean(adv, m)) * (lp - _masked_scalar_mean(lp, m))
+            flat = torch.where(m, cov, torch.full_like(cov, -torch.inf)).flatten()
+            k = max(1, int(n * cov_ratio))
+            top = torch.sort(flat, descending=True, stable=True).indices[:k]
+            selected.view(-1)[top] = True
+        per_token = torch.where(selected, per_token + kl_coef * log_ratio.abs(), per_token)
+    loss = aggregate(_weighted(per_token, weights), mask, agg, denom, max_len)
+    metrics = _ratio_metrics(ratio, adv, m, clip_low, clip_high, None)
+    metrics["cov_frac"] = float(selected.sum()) / max(n, 1)
+    metrics["ppo_kl_abs"] = float(_masked_scalar_mean(log_ratio.detach().abs(), m))
+    return loss, metrics
+
+
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -371,3 +503,12 @@ def clipped_policy_loss(
         agg="token_mean",
         denom=token_denom,
     )
+
+
+def loss_options(algo) -> dict[str, float]:
+    """The extra keyword arguments `algo.policy_loss` takes, from `AlgoConfig` fields."""
+    if algo.policy_loss == "clip_cov":
+        return {"cov_ratio": algo.cov_ratio, "cov_lb": algo.clip_cov_lb, "cov_ub": algo.clip_cov_ub}
+    if algo.policy_loss == "kl_cov":
+        return {"cov_ratio": algo.cov_ratio, "kl_coef": algo.kl_cov_coef}
+    return {}

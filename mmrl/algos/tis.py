@@ -16,7 +16,7 @@ import torch
 from mmrl.algos.kl import kl_estimate
 
 TIS_LEVELS = ("token", "sequence")
-TIS_MODES = ("truncate", "mask")
+TIS_MODES = ("truncate", "mask", "band")
 
 # Raw (before truncation) weights are reported as at most e^80, finite in float32.
 _METRIC_LOG_CLAMP = 80.0
@@ -29,6 +29,7 @@ def tis_weights(
     level: str = "token",
     cap: float = 2.0,
     mode: str = "truncate",
+    low: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Detached importance weights pi_trainer / pi_rollout, truncated or masked at `cap`.
 
@@ -37,6 +38,9 @@ def tis_weights(
                   the response gets its response's product of token ratios)
         truncate: w = min(w, cap)             (TIS)
         mask:     w = 0 where w > cap         (MIS: such tokens / responses leave the loss)
+        band:     w = 0 where w < low or w > cap, w itself inside [low, cap]   (IcePop, Ling
+                  team 2025, "Every Step Evolves: Scaling RL for Trillion-Scale Thinking
+                  Model": a token whose train/rollout ratio leaves the band sends no gradient)
 
     Computed in log space, so an enormous sequence ratio never overflows.
 
@@ -46,14 +50,15 @@ def tis_weights(
         mask: [N, R] 1 on response tokens.
         level: `token` or `sequence`.
         cap: C > 0; weights never exceed it.
-        mode: `truncate` or `mask`.
+        mode: `truncate`, `mask` or `band`.
+        low: the band's lower bound (mode `band` only; 0 < low < cap; default 1 / cap).
 
     Returns:
         weights [N, R] (detached, 0 on masked-out positions) and metrics over the masked tokens
         (a sequence-level weight counts once per token): `tis/weight_mean`, `tis/weight_min`,
         `tis/weight_max` (of the raw weights, before truncation; the max saturates at e^80),
         `tis/applied_weight_mean` (after), `tis/truncated_frac` (mode truncate) or
-        `tis/masked_frac` (mode mask), and the rollout-vs-trainer KL
+        `tis/masked_frac` (modes mask and band: both tails), and the rollout-vs-trainer KL
         `rollout/kl_k1`, `rollout/kl_k3`: estimates of KL(pi_rollout || pi_trainer), the
         tokens having been sampled by the rollout engine.
     """
@@ -63,6 +68,10 @@ def tis_weights(
         raise ValueError(f"unknown TIS mode {mode!r}: choose from {list(TIS_MODES)}")
     if not cap > 0:
         raise ValueError(f"TIS cap must be > 0, got {cap}")
+    if mode == "band":
+        low = 1.0 / cap if low is None else low
+        if not 0 < low < cap:
+            raise ValueError(f"TIS band: low must be in (0, cap={cap}), got {low}")
     if not (trainer_logprobs.shape == rollout_logprobs.shape == mask.shape) or mask.dim() != 2:
         raise ValueError(
             f"trainer_logprobs {list(trainer_logprobs.shape)}, rollout_logprobs "
@@ -79,7 +88,9 @@ def tis_weights(
         log_cap = math.log(cap)
         over = log_w > log_cap
         w = torch.exp(log_w.clamp(max=log_cap)).clamp(max=cap)  # min(e^log_w, cap), no overflow
-        if mode == "mask":
+        if mode == "band":
+            over = over | (log_w < math.log(low))
+        if mode != "truncate":
             w = torch.where(over, zero, w)
         w = torch.where(m, w, zero)
 

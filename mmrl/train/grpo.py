@@ -27,7 +27,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from tqdm import tqdm
 from mmrl.algos.advantages import GROUP_LOCAL, TOKEN_WEIGHTED, clip_advantages, get_advantage_estimator
 from mmrl.algos.dapo import informative_groups, overlong_penalty, truncation_mask
 from mmrl.algos.kl import kl_estimate, kl_penalized_rewards
+from mmrl.algos.stability import batch_normalize_weights, rejection_keep
 from mmrl.algos.tis import tis_weights
 from mmrl.config import Config, config_to_yaml
 from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_for_saving, param_groups
@@ -66,6 +67,7 @@ from mmrl.train.metrics_log import MetricsLogger
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
 from mmrl.train.rundir import create_run_dir, run_dir_path
+from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
 from mmrl.train.update import old_and_ref_logprobs, update_policy
@@ -103,6 +105,8 @@ class Trainee:
     run_dir: Path | None = None
     reward_models: RewardPlacement | None = None
     """Model-based rewards, placed beside the policy (None: the run configures none)."""
+    stability: StabilityState = field(default_factory=StabilityState)
+    """Adaptive entropy coefficient and reference resets, carried across steps."""
 
     # The learner: the policy's log-probs and update. Here, in this process; a training group
     # across processes (`mmrl.distributed`) overrides these two.
@@ -312,6 +316,7 @@ def write_checkpoint(
         "scheduler": t.scheduler.state_dict(),
         "sampler": sampler.state_dict(),
         "progress": progress.__dict__.copy(),
+        "stability": t.stability.state_dict(),
     }
     path = save_checkpoint(
         run_dir,
@@ -358,6 +363,8 @@ def resume_from(
     t.scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
     progress.__dict__.update(state["progress"])
+    if "stability" in state:  # checkpoints written before the stability options have none
+        t.stability.load_state_dict(state["stability"])
     set_rng_state(state["rng"])
     log.info("resumed from %s at step %d", path, progress.step)
     return True
@@ -497,7 +504,9 @@ def learn_from_rollouts(
     batch.response_mask = batch.response_mask.clone()  # masked row by row below
     # c. Old and reference log-probs, before any reward is needed (masked rows set to 0 below).
     old_logprobs, ref_logprobs = t.old_and_ref_logprobs(cfg, batch)
-    inputs = StepInputs.empty(len(batch), old_logprobs, ref_logprobs, tis=tis_applies(cfg))
+    inputs = StepInputs.empty(
+        len(batch), old_logprobs, ref_logprobs, tis=tis_applies(cfg), rejection=cfg.algo.rejection != "off"
+    )
     hook = None
     if deferred is not None and pipelined_update(cfg, t, batch):
         hook = inputs.filler(cfg, batch, deferred, step)
@@ -509,14 +518,16 @@ def learn_from_rollouts(
         if (skipped := nonfinite_guard(batch, rewards.scores, range(len(batch)), step)) is not None:
             return {**skipped, "time/step_s": time.monotonic() - t0}
         inputs.fill(cfg, batch, range(len(batch)), rewards)
+        inputs.normalize_weights(cfg, batch)
     t2 = time.monotonic()
+    step_cfg = t.stability.step_config(cfg)  # the adaptive entropy coefficient, if on
     # f. Policy update over mini-batches (with `hook`, each first waits for its groups' rewards
     #    and steps b-e on them), then the learning-rate schedule.
     placed = t.reward_models.training() if t.reward_models is not None else contextlib.nullcontext()
     try:
         with placed:  # offloadable reward models leave the accelerator while the policy trains
             metrics = t.update_policy(
-                cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights, hook
+                step_cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights, hook
             )
     except NonFiniteRewards as exc:
         deferred()  # every row is waited for (and its error logged) before the step ends
@@ -528,10 +539,12 @@ def learn_from_rollouts(
         metrics.update(t.reward_models.metrics())
     metrics["actor/lr"] = t.scheduler.get_last_lr()[0]
     t.scheduler.step()
+    metrics.update(t.stability.after_update(cfg, t, metrics, step))  # entropy control, ref reset
     t3 = time.monotonic()
     # g. Metrics (and the step dump).
     metrics.update(rollout_metrics)
     metrics.update(inputs.mismatch_metrics(cfg, batch))
+    metrics.update(mismatch_source_metrics(cfg, batch, inputs.old, inputs.rejected))
     metrics.update(step_metrics(batch, rewards, inputs.advantages, G))
     metrics["verifier/dropped"] = float(inputs.dropped.sum())
     metrics["guard/skipped_step"] = 0.0
@@ -595,6 +608,7 @@ def pipelined_update(cfg: Config, t: Trainee, batch: RolloutBatch) -> bool:
         cfg.reward.update_while_scoring
         and cfg.algo.advantage in GROUP_LOCAL
         and cfg.trainer.mini_batches > 1
+        and not cfg.algo.tis_batch_norm  # needs every row's weight first
         and t.updates_while_scoring
         and (t.reward_models is None or not any(s.reward_model.models for s in batch.samples))
     )
@@ -613,11 +627,16 @@ class StepInputs:
     old: torch.Tensor
     ref: torch.Tensor | None
     weights: torch.Tensor | None
+    rejected: torch.Tensor | None = None
+    """[N] bool: responses dropped by rollout rejection (`algo.rejection`; None when off)."""
 
     @classmethod
-    def empty(cls, n: int, old: torch.Tensor, ref: torch.Tensor | None, tis: bool) -> StepInputs:
+    def empty(
+        cls, n: int, old: torch.Tensor, ref: torch.Tensor | None, tis: bool, rejection: bool = False
+    ) -> StepInputs:
         device = old.device  # the batch's, hence the policy's
         return cls(
+            rejected=torch.zeros(n, dtype=torch.bool, device=device) if rejection else None,
             scores=torch.zeros(n, device=device),
             dropped=torch.zeros(n, dtype=torch.bool, device=device),
             advantages=torch.zeros(n, device=device),
@@ -661,12 +680,27 @@ class StepInputs:
         )
         self.scores[rows] = scores
         self.dropped[rows] = dropped
-        # e. Truncated importance sampling against the rollout engine's log-probs.
+        # e. Rollout rejection (whole responses out of the loss; their rewards stayed in their
+        #    groups' statistics above), then importance-sampling weights against the rollout
+        #    engine's log-probs.
+        if self.rejected is not None:
+            keep, _ = rejection_keep(
+                self.old[rows], batch.rollout_logprobs[rows], mask.float(), level=a.rejection,
+                low=a.rejection_low or 1.0 / a.rejection_high, high=a.rejection_high,
+            )  # fmt: skip
+            self.rejected[rows] = ~keep
+            mask = mask * keep.unsqueeze(1).long()
+            batch.response_mask[rows] = mask
         if self.weights is not None:
             self.weights[rows], _ = tis_weights(
                 self.old[rows], batch.rollout_logprobs[rows], mask.float(),
-                level=a.tis, cap=a.tis_cap, mode=a.tis_mode,
+                level=a.tis, cap=a.tis_cap, mode=a.tis_mode, low=a.tis_low or None,
             )  # fmt: skip
+
+    def normalize_weights(self, cfg: Config, batch: RolloutBatch) -> None:
+        """`algo.tis_batch_norm`: the IS weights of the whole batch divided by their mean."""
+        if self.weights is not None and cfg.algo.tis_batch_norm:
+            self.weights, _ = batch_normalize_weights(self.weights, batch.response_mask, cfg.algo.tis)
 
     def filler(
         self, cfg: Config, batch: RolloutBatch, deferred: DeferredRewards, step: int
@@ -700,9 +734,15 @@ class StepInputs:
         _, metrics = tis_weights(
             self.old, batch.rollout_logprobs, batch.response_mask.float(),
             level="token" if a.tis == "off" else a.tis, cap=a.tis_cap, mode=a.tis_mode,
+            low=a.tis_low or None,
         )  # fmt: skip
         if a.tis == "off":
             metrics = {k: v for k, v in metrics.items() if k.startswith("rollout/")}
+        if self.rejected is not None:
+            metrics["rejection/seq_frac"] = float(self.rejected.float().mean())
+        if self.weights is not None and a.tis_batch_norm:
+            m = batch.response_mask > 0
+            metrics["tis/normalized_weight_mean"] = float(self.weights[m].mean()) if m.any() else 1.0
         return metrics
 
 

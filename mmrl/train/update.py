@@ -19,7 +19,8 @@ import torch
 
 from mmrl.algos.kl import kl_estimate, kl_in_loss
 from mmrl.algos.logprobs import chunk_positions
-from mmrl.algos.losses import aggregate, get_policy_loss, loss_denominator
+from mmrl.algos.losses import aggregate, get_policy_loss, loss_denominator, loss_options
+from mmrl.algos.stability import forking_token_mask
 from mmrl.config import Config
 from mmrl.models.adapters import adapters_disabled
 from mmrl.models.loading import Policy
@@ -114,6 +115,7 @@ def update_policy(
     """
     model, a = policy.model, cfg.algo
     policy_loss = get_policy_loss(a.policy_loss)
+    options = loss_options(a)  # clip_cov / kl_cov parameters
     max_len = cfg.rollout.max_new_tokens
     n = len(batch)
     mb_size = n // cfg.trainer.mini_batches
@@ -159,11 +161,15 @@ def update_policy(
                     logprobs, entropy = (x.masked_fill(mask == 0, 0.0) for x in early)
                 else:
                     logprobs, entropy = forward(sub)
+                weights = None if tis_weights is None else tis_weights[rows]
+                if a.forking_frac > 0:  # only the top-entropy tokens train (the normaliser stays)
+                    fork = forking_token_mask(entropy, mask, a.forking_frac, a.forking_scope)
+                    weights = fork if weights is None else weights * fork
+                    sums["actor/forking_frac"] += float(fork.sum())
                 pg_loss, pg_metrics = policy_loss(
                     logprobs, old_logprobs[rows], advantages[rows], mask,
                     clip_low=a.clip_low, clip_high=a.clip_high, clip_dual=a.clip_dual or None,
-                    agg=a.loss_agg, denom=denom, max_len=max_len,
-                    weights=None if tis_weights is None else tis_weights[rows],
+                    agg=a.loss_agg, denom=denom, max_len=max_len, weights=weights, **options,
                 )  # fmt: skip
                 ent = aggregate(entropy, mask, "token_mean", token_denom)
                 loss = pg_loss - a.entropy_coef * ent if a.entropy_coef > 0 else pg_loss
@@ -194,8 +200,9 @@ def update_policy(
                 sums["actor/pg_loss"] += pg_loss.item()  # micro-batch parts sum to the mini-batch loss
                 sums["actor/entropy"] += ent.item() * token_denom
                 sums["actor/ppo_kl"] += ppo_kl.item() * token_denom
-                for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean"):
-                    sums[f"actor/{k}"] += pg_metrics[k] * tokens
+                for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "cov_frac"):
+                    if k in pg_metrics:
+                        sums[f"actor/{k}"] += pg_metrics[k] * tokens
                 extremes["actor/ratio_min"] = min(
                     extremes.get("actor/ratio_min", math.inf), pg_metrics["ratio_min"]
                 )
