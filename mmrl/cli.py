@@ -154,6 +154,7 @@ def _train_diffusion(args: argparse.Namespace, overrides: list[str]) -> int:
     """flow-GRPO on a diffusion pipeline (`configs/<task>.yaml` with `kind: diffusion`)."""
     from mmrl.train.flow_config import load_flow_config
     from mmrl.train.flow_grpo import run_text_to_image
+    from mmrl.train.storage import StorageError
 
     try:
         cfg = load_flow_config(args.task, args.config, overrides)
@@ -161,7 +162,7 @@ def _train_diffusion(args: argparse.Namespace, overrides: list[str]) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # e.g. a checkpoint write on a full or read-only disk (the path is named)
+    except (StorageError, OSError) as exc:  # a checkpoint write on a full or read-only disk (path named)
         print(f"mmrl train: stopped: {exc}", file=sys.stderr)
         return 1
     print(result.summary_line(args.task))

@@ -276,7 +276,9 @@ def test_a_failed_checkpoint_write_names_the_folder_and_keeps_the_last_good_one(
         return real_save(obj, path, *a, **kw)
 
     monkeypatch.setattr(ck.torch, "save", full_disk)
-    with pytest.raises(OSError, match=r"step 2 under .*checkpoints failed.*No space left.*step_00000001"):
+    from mmrl.train.storage import StorageError
+
+    with pytest.raises(StorageError, match=r"checkpoint step 2 .*no space left.*step_00000001 is intact"):
         run_text_to_image(_cfg(tmp_path, "run", "trainer.total_steps=2", "trainer.checkpoint_every=1"))
     assert [c.step for c in list_checkpoints(tmp_path / "run")] == [1]
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp_*"))

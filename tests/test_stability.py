@@ -510,6 +510,36 @@ def test_reference_reset_runs_and_is_logged_as_an_event(mmrl_cache, tmp_path, ca
     assert "step 2: reference reset to the current policy" in caplog.text
 
 
+@pytest.mark.slow
+def test_a_resumed_run_keeps_the_reset_reference(mmrl_cache, tmp_path):
+    """The reference after a reset is the policy of that step: a checkpoint carries it, and a
+    resumed run's reference equals the uninterrupted run's, not the initial one."""
+    from mmrl.models.base import builtin_base
+    from mmrl.models.loading import load_policy
+    from mmrl.train.data import PromptSampler, load_data
+    from mmrl.train.grpo import RunProgress, make_trainee, resume_from, write_checkpoint
+
+    args = ["algo.kl_coef=0.01", "trainer.total_steps=2"]
+    cfg = load_config("vision_reasoning", overrides=[*SHORT, *args, f"trainer.run_dir={tmp_path}"])
+
+    t = make_trainee(cfg, load_policy(builtin_base(cfg)))
+    t.router.close()
+    with torch.no_grad():
+        for p in t.policy.model.parameters():
+            p.add_(0.01)  # the policy has moved away from the initial weights
+    reset_reference(t)
+    t.stability.resets.append(1)
+    sampler = PromptSampler(load_data(cfg)[0], cfg.trainer.seed)
+    path = write_checkpoint(cfg, t, sampler, RunProgress(step=1), tmp_path)
+    fresh = make_trainee(cfg, load_policy(builtin_base(cfg)))
+    fresh.router.close()
+    first = next(iter(fresh.reference.parameters()))
+    assert not torch.equal(first, next(iter(t.reference.parameters())))  # the initial reference
+    assert resume_from(cfg, fresh, sampler, RunProgress(), tmp_path, checkpoint=path)
+    for a, b in zip(fresh.reference.state_dict().values(), t.reference.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # Mismatch demonstration: a known perturbation of the rollout log-probs
 

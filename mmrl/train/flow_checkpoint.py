@@ -30,7 +30,6 @@ from omegaconf import OmegaConf
 
 from mmrl.train.checkpoint import (
     apply_retention,
-    list_checkpoints,
     load_trainer_state,
     save_checkpoint,
     set_rng_state,
@@ -117,23 +116,17 @@ def write_flow_checkpoint(
         "progress": progress.__dict__.copy(),
     }
     metric = progress.final_reward if progress.final_reward == progress.final_reward else None
-    try:
-        path = save_checkpoint(
-            run_dir,
-            progress.step,
-            _Weights(t),
-            _NoProcessor(),
-            state,
-            flow_config_to_yaml(cfg),
-            metric=metric,
-        )
-    except OSError as exc:
-        remove_stale_temporaries(run_dir)
-        last = [c.path for c in list_checkpoints(run_dir)]
-        raise OSError(
-            f"writing the checkpoint of step {progress.step} under {Path(run_dir) / 'checkpoints'} failed: {exc} "
-            f"(disk full or read-only?); the last good checkpoint is {last[-1] if last else 'none'}"
-        ) from exc
+    # A failed write raises `StorageError` naming the folder, the cause and the last good
+    # checkpoint, with its temporary folder removed (`mmrl.train.checkpoint.save_checkpoint`).
+    path = save_checkpoint(
+        run_dir,
+        progress.step,
+        _Weights(t),
+        _NoProcessor(),
+        state,
+        flow_config_to_yaml(cfg),
+        metric=metric,
+    )
     apply_retention(run_dir, cfg.trainer.keep_last, keep_best=False)
     return path
 

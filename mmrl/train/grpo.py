@@ -318,6 +318,10 @@ def write_checkpoint(
         "progress": progress.__dict__.copy(),
         "stability": t.stability.state_dict(),
     }
+    if t.stability.resets and isinstance(t.reference, torch.nn.Module):
+        # A reset reference is the policy of its reset step, which nothing else can rebuild: it
+        # travels with the checkpoint (in its own dtype) so a resumed run keeps it.
+        state["reference"] = {k: v.detach().cpu() for k, v in t.reference.state_dict().items()}
     path = save_checkpoint(
         run_dir,
         progress.step,
@@ -365,6 +369,8 @@ def resume_from(
     progress.__dict__.update(state["progress"])
     if "stability" in state:  # checkpoints written before the stability options have none
         t.stability.load_state_dict(state["stability"])
+    if "reference" in state and isinstance(t.reference, torch.nn.Module):
+        t.reference.load_state_dict(state["reference"])
     set_rng_state(state["rng"])
     log.info("resumed from %s at step %d", path, progress.step)
     return True
