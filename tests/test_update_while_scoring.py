@@ -113,12 +113,31 @@ def _second_mini_batch_of_step_1(samples, cfg) -> set[str]:
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_a_non_finite_reward_in_the_second_mini_batch(mmrl_cache, monkeypatch, pipelined):
     """Pipelined, the first mini-batch was already stepped on when the NaN arrives: the update
-    stops there. Waiting for every reward first, the step is skipped whole. Either way the step
-    is reported skipped with its count of non-finite rewards."""
+    stops there and the step is reported as the partial step it is (not "skipped": the weights
+    changed). Waiting for every reward first, the step is skipped whole and nothing changes.
+    Either way every non-finite reward is counted."""
     monkeypatch.syspath_prepend(PLUGINS)
     flag = [] if pipelined else ["reward.update_while_scoring=false"]
     metrics, initial, final = _steps(flag, "nan", which=_second_mini_batch_of_step_1, steps=1)
-    assert metrics[0]["guard/skipped_step"] == 1.0
-    assert metrics[0]["guard/nonfinite_rewards"] == 8  # 2 groups x 4 responses
     changed = any(not torch.equal(v, initial[k]) for k, v in final.items())
     assert changed == pipelined
+    assert metrics[0]["guard/skipped_step"] == (0.0 if pipelined else 1.0)
+    assert metrics[0].get("guard/partial_step", 0.0) == (1.0 if pipelined else 0.0)
+    assert metrics[0].get("guard/applied_minibatches", 0.0) == (1.0 if pipelined else 0.0)
+    assert metrics[0]["guard/nonfinite_rewards"] == 8  # 2 groups x 4 responses
+
+
+def _first_and_second_mini_batch_of_step_1(samples, cfg) -> set[str]:
+    """One sample of each mini-batch of the first step (groups 0 and 2)."""
+    drawn = PromptSampler(samples, cfg.trainer.seed).next(cfg.trainer.prompts_per_step)
+    return {drawn[0].id, drawn[2].id}
+
+
+def test_every_non_finite_reward_is_counted_when_the_first_mini_batch_stops_the_step(mmrl_cache, monkeypatch):
+    """The first mini-batch's NaN stops the pipelined update before anything is applied (a real
+    skip); the second mini-batch's NaNs, scored after, are counted too."""
+    monkeypatch.syspath_prepend(PLUGINS)
+    metrics, initial, final = _steps([], "nan", which=_first_and_second_mini_batch_of_step_1, steps=1)
+    assert all(torch.equal(v, initial[k]) for k, v in final.items())
+    assert metrics[0]["guard/skipped_step"] == 1.0 and "guard/partial_step" not in metrics[0]
+    assert metrics[0]["guard/nonfinite_rewards"] == 8  # groups 0 and 2, 4 responses each

@@ -536,8 +536,32 @@ def learn_from_rollouts(
                 step_cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights, hook
             )
     except NonFiniteRewards as exc:
-        deferred()  # every row is waited for (and its error logged) before the step ends
-        return {**exc.metrics, "time/step_s": time.monotonic() - t0}
+        # Every row is waited for (its error logged) and every non-finite reward counted, not
+        # only the mini-batch's that raised. Mini-batches updated before it stay applied (undoing
+        # them would need a copy of the weights and optimizer state): a partial step, reported
+        # as one; with none applied the step is skipped.
+        everything, _ = deferred()
+        metrics = {
+            **exc.metrics,
+            "guard/nonfinite_rewards": float((~torch.isfinite(everything.scores)).sum()),
+        }
+        if exc.applied:
+            log.warning(
+                "step %d: %d mini-batch(es) had been applied before the non-finite reward arrived: "
+                "a partial step (guard/partial_step)",
+                step,
+                exc.applied,
+            )
+            metrics.update(
+                {
+                    "guard/skipped_step": 0.0,
+                    "guard/partial_step": 1.0,
+                    "guard/applied_minibatches": float(exc.applied),
+                    "actor/lr": t.scheduler.get_last_lr()[0],
+                }
+            )
+            t.scheduler.step()  # the weights did change: the schedule moves on as for any step
+        return {**metrics, "time/step_s": time.monotonic() - t0}
     if deferred is not None:  # every reward is in by now; the time waited for them in all
         rewards, waited = deferred()
         rollout_metrics = {**rollout_metrics, "time/reward_wait_s": waited}
@@ -577,9 +601,11 @@ def learn_from_rollouts(
 class NonFiniteRewards(Exception):
     """Raised from the update's `before_minibatch` hook: a non-finite reward arrived."""
 
-    def __init__(self, metrics: dict[str, float]):
+    def __init__(self, metrics: dict[str, float], applied: int = 0):
         super().__init__("non-finite rewards")
         self.metrics = metrics
+        self.applied = applied
+        """Mini-batches already updated on when it was raised."""
 
 
 def nonfinite_guard(
@@ -716,15 +742,18 @@ class StepInputs:
         filling if one is not finite)."""
         G = cfg.rollout.group_size
         filled = [False] * (len(batch) // G)
+        calls = [0]  # mini-batches let through so far (each is then updated on)
 
         def before_minibatch(mb_rows: list[int]) -> None:
             groups = sorted({r // G for r in mb_rows if not filled[r // G]})
             if not groups:
+                calls[0] += 1
                 return
             rows = [g * G + j for g in groups for j in range(G)]
             rewards = deferred.rows(rows)
             if (skipped := nonfinite_guard(batch, rewards.scores, rows, step)) is not None:
-                raise NonFiniteRewards(skipped)
+                raise NonFiniteRewards(skipped, applied=calls[0])
+            calls[0] += 1
             self.fill(cfg, batch, rows, rewards)
             for g in groups:
                 filled[g] = True
