@@ -167,7 +167,9 @@ def test_a_math_time_out_inside_sympy_is_reported_as_a_time_out():
     verifier = get_verifier("math")
     sample = _sample(verifier="math", gold="0")
     # In the main thread: the time limit is a timer signal, which only the main thread gets.
-    result = verifier(r"\boxed{10^{10^{10^{10}}}-10^{10^{10^{10}}}}", sample, VerifyContext(), time_limit_s=0.5)
+    result = verifier(
+        r"\boxed{10^{10^{10^{10}}}-10^{10^{10^{10}}}}", sample, VerifyContext(), time_limit_s=0.5
+    )
     assert result.error is not None and result.error.startswith("timeout"), result
     assert result.score == 0.0
 
