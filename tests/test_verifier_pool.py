@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from mmrl.router import Router
@@ -197,3 +198,38 @@ def test_closing_the_router_ends_stuck_workers_and_answers_every_response():
     for pid in pids:  # the stuck worker ignored nothing it could not: it was killed
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_the_server_uses_the_same_pool_sigterm_is_ignored_and_swallowed_time_outs_are_time_outs(tmp_path):
+    """`mmrl serve` runs the same pool: a worker SIGTERMed mid-request goes on, a SIGKILLed one
+    costs only its sample, and a time-out a library swallowed is a counted time-out."""
+    from mmrl.server.app import start_server_process
+    from mmrl.server.client import RewardClient
+    from mmrl.server.config import ServeConfig
+
+    cfg = ServeConfig(port=0, workers=1, time_limit_s=0.3, kill_grace_s=0.5, plugins=["fault_verifiers"])
+    record = {"data_source": "test", "reward_model": {"ground_truth": "1", "verifier": "fault"}}
+    with (
+        start_server_process(cfg, env={"PYTHONPATH": str(PLUGINS)}) as server,
+        RewardClient(server.url, retries=0) as client,
+    ):
+        out: dict = {}
+        for sig, marker in ((signal.SIGTERM, tmp_path / "term"), (signal.SIGKILL, tmp_path / "kill")):
+
+            def score(m: Path = marker) -> None:
+                out[m] = client.score_records([record, record], [f"pid:{m}", "fine"])
+
+            pending = threading.Thread(target=score, daemon=True)
+            pending.start()
+            os.kill(_wait_for_pid(marker), sig)
+            Path(f"{marker}.go").write_text("")
+            pending.join(HANG_GUARD_S)
+            assert not pending.is_alive(), "the server hung"
+        term, kill = out[tmp_path / "term"], out[tmp_path / "kill"]
+        assert [r["score"] for r in term] == [1.0, 1.0] and term[0]["error"] is None
+        assert [r["score"] for r in kill] == [0.0, 1.0] and "died" in kill[0]["error"]
+        swallowed = client.score_records([record, record], ["swallow", "swallow_all"])
+        assert all(r["score"] == 0.0 and r["error"].startswith("timeout") for r in swallowed)
+        metrics = httpx.get(server.url + "/metrics").text
+    assert 'mmrl_verifier_errors_total{verifier="fault",kind="timeout"} 2' in metrics
+    assert 'mmrl_verifier_errors_total{verifier="fault",kind="crash"} 1' in metrics
