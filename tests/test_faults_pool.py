@@ -68,8 +68,8 @@ def test_sigterm_to_the_process_group_checkpoints_exits_cleanly_and_resumes(mmrl
         raise AssertionError("the run hung after SIGTERM to its process group") from None
     assert proc.returncode == 0, err[-3000:]
     assert "interrupted at step" in out
-    with pytest.raises(ProcessLookupError):  # no worker was left behind
-        os.killpg(proc.pid, 0)
+    assert _group_ends(proc.pid), subprocess.run(["ps", "-o", "pid,stat,args", "-g", str(proc.pid)],
+                                                 capture_output=True, text=True).stdout  # fmt: skip
     ckpt = find_resume_checkpoint(run)
     assert ckpt is not None and 1 <= ckpt.step < 8
     assert json.loads((run / "summary.json").read_text())["interrupted"] is True
@@ -80,6 +80,18 @@ def test_sigterm_to_the_process_group_checkpoints_exits_cleanly_and_resumes(mmrl
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     assert [s["step"] for s in _steps(run)] == list(range(1, 9))
+
+
+def _group_ends(pgid: int) -> bool:
+    """Whether every process of the group ends (no verifier worker is left behind; the
+    resource tracker of `multiprocessing` may take a moment after its parent)."""
+    for _ in range(600):  # a hang guard: 60 s
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _data(tmp_path: Path, verifier: str = "math", mark: str | None = None, models=None) -> None:

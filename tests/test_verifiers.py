@@ -215,7 +215,7 @@ def test_a_hang_inside_a_chunk_costs_only_its_own_response():
         batch = router.score(samples, texts, VerifyContext())
         chunks, responses = router.sent_chunks - sent[0], router.sent_responses - sent[1]
     assert chunks < 12  # responses shared worker tasks...
-    assert responses > 12  # ...and the rest of the stuck one's chunk was sent again
+    assert responses >= 12  # (more if the stuck one's worker was killed: the rest of its chunk went again)
     assert batch.results[9].error.startswith("timeout")
     assert batch.errors == {"math/toy": 1} and batch.timeouts == {"math/toy": 1}
     expected = [float(i % 2) for i in range(12)]
