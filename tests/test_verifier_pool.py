@@ -233,3 +233,34 @@ def test_the_server_uses_the_same_pool_sigterm_is_ignored_and_swallowed_time_out
         metrics = httpx.get(server.url + "/metrics").text
     assert 'mmrl_verifier_errors_total{verifier="fault",kind="timeout"} 2' in metrics
     assert 'mmrl_verifier_errors_total{verifier="fault",kind="crash"} 1' in metrics
+
+
+def _worker_children() -> list[int]:
+    """This process's verifier worker processes (spawned children), found in /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == os.getpid() and state != "Z" and b"spawn_main" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_idle_workers_killed_with_sigkill_are_replaced_and_the_next_batch_is_scored():
+    """Workers SIGKILLed between batches (the OOM killer picks an idle one as readily as a busy
+    one): the previous pool broke ("Unexpected error within the Pool") when a worker died
+    holding its task queue's lock; this one replaces them."""
+    samples = [_sample(i) for i in range(6)]
+    with Router(num_workers=2, time_limit_s=60.0, plugins=["fault_verifiers"]) as router:
+        router.warm_up()
+        _guarded(lambda: router.score(samples, ["fine"] * 6, VerifyContext()))
+        workers = _worker_children()
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        batch = _guarded(lambda: router.score(samples, ["fine"] * 6, VerifyContext()))
+        assert batch.scores.tolist() == [1.0] * 6 and not batch.errors
