@@ -113,9 +113,15 @@ def score_model_rewards(
     responses: Sequence[str | None] | None,
     images: Sequence[Any] | None,
     models: Mapping[str, RewardModel],
+    failures: dict[int, tuple[str, str]] | None = None,
 ) -> list[dict[str, float]]:
     """Per row: `{model name: reward, "<name>/<component>": value, ..., "total": sum_k w_k r_k}`
     for the models the row's sample asks for (`{}` when it asks for none).
+
+    A model that raises raises `RewardModelError` naming the samples, unless `failures` is
+    given: then the rows it was to score get `failures[row] = (model name, error message)`
+    (the first failing model of the row), keep what the other models gave, and have no "total";
+    the others are scored as usual (the trainer counts these like verifier errors).
 
     Args:
         samples: [N] one sample per row (repeat a sample for its G responses: prompt-major).
@@ -170,17 +176,22 @@ def score_model_rewards(
             )
         except Exception as exc:
             ids = [samples[i].id for i in rows[:5]]
-            raise RewardModelError(
+            error = RewardModelError(
                 f"reward model {name!r} failed on samples {ids}{' ...' if len(rows) > 5 else ''}: "
                 f"{type(exc).__name__}: {exc}"
-            ) from exc
+            )
+            if failures is None:
+                raise error from exc
+            for i in rows:
+                failures.setdefault(i, (name, f"{type(exc).__name__}: {exc}"))
+            continue
         for j, i in enumerate(rows):
             values[i][name] = float(out.scores[j])
             for comp, vals in out.components.items():
                 if comp not in (name, model_type_name(model)):  # those repeat the score
                     values[i][f"{name}/{comp}"] = float(vals[j])
     for i, row_entries in enumerate(entries):
-        if row_entries:
+        if row_entries and (failures is None or i not in failures):
             values[i]["total"] = sum(e.weight * values[i][e.name] for e in row_entries)
     return values
 

@@ -203,8 +203,8 @@ def test_router_kills_a_verifier_stuck_in_c_code_and_keeps_serving():
 
 def test_a_hang_inside_a_chunk_costs_only_its_own_response():
     """Queued responses go to a worker in chunks; when a chunk's worker is killed (a response
-    stuck in C code), each of its responses is scored again alone: only the stuck one gets the
-    time-out."""
+    stuck in C code), the pool knows which response it was scoring: only that one gets the
+    time-out, the chunk's others are sent again."""
     samples = [_sample("3") for _ in range(12)]
     texts = ["\\boxed{3}" if i % 2 else "\\boxed{4}" for i in range(12)]
     texts[9] = "\\boxed{9^{9^{9^{9}}}}"
@@ -215,7 +215,7 @@ def test_a_hang_inside_a_chunk_costs_only_its_own_response():
         batch = router.score(samples, texts, VerifyContext())
         chunks, responses = router.sent_chunks - sent[0], router.sent_responses - sent[1]
     assert chunks < 12  # responses shared worker tasks...
-    assert responses > 12  # ...and the stuck one's chunk was sent again one by one
+    assert responses >= 12  # (more if the stuck one's worker was killed: the rest of its chunk went again)
     assert batch.results[9].error.startswith("timeout")
     assert batch.errors == {"math/toy": 1} and batch.timeouts == {"math/toy": 1}
     expected = [float(i % 2) for i in range(12)]

@@ -12,8 +12,13 @@ from typing import Any, TypeVar
 from mmrl.types import Sample, VerifierResult, VerifyContext
 
 
-class VerifierTimeout(Exception):
-    """A verifier call ran past its time limit."""
+class VerifierTimeout(BaseException):
+    """A verifier call ran past its time limit.
+
+    A `BaseException`, not an `Exception`: the libraries verifiers call (math-verify, SymPy)
+    catch `Exception` and would turn a time-out into an ordinary wrong answer. And even a
+    library that catches everything cannot hide one: `call_with_time_limit` records that the
+    timer fired and raises it again when the call returns past its deadline."""
 
 
 class SampleFieldError(ValueError):
@@ -108,8 +113,19 @@ def verifier_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _on_alarm(signum, frame):
+_fired = 0
+"""How many time-outs the timer handlers have raised (a call compares it before and after, so
+a time-out that a library swallowed is still reported)."""
+
+
+def _time_out() -> None:
+    global _fired
+    _fired += 1
     raise VerifierTimeout()
+
+
+def _on_alarm(signum, frame):
+    _time_out()
 
 
 _alarm_kept = False
@@ -126,7 +142,7 @@ def _on_kept_alarm(signum, frame):
         return  # between calls: the next call arms it again
     left = _deadline - time.monotonic()
     if left <= 0.0:
-        raise VerifierTimeout()
+        _time_out()
     signal.setitimer(signal.ITIMER_REAL, left)
 
 
@@ -174,17 +190,29 @@ def call_with_time_limit(fn: Callable[[], Any], seconds: float) -> Any:
     (the trainer's, or each worker's in a process pool). Elsewhere `fn` runs without a limit
     and the caller must bound it (the router does, by process). The handler is installed for
     the call and the previous one restored, unless `keep_alarm_handler()` keeps it.
+
+    A time-out is reported even if `fn` (a library inside it) catches the exception: if the
+    timer fired for this call and `fn` returned past the deadline, `VerifierTimeout` is raised
+    then (the value `fn` returned after its time-out is not trusted).
     """
-    global _deadline
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         return fn()
+    now = time.monotonic()
+    deadline = now + seconds
+    if _alarm_kept and _deadline and _deadline < deadline:
+        deadline = _deadline  # a call inside a limited call keeps the outer limit too
+    fired = _fired
+    value = _limited(fn, seconds, deadline, now)
+    if _fired != fired and time.monotonic() >= deadline:
+        raise VerifierTimeout()  # the timer fired for this call and something swallowed it
+    return value
+
+
+def _limited(fn: Callable[[], Any], seconds: float, deadline: float, now: float) -> Any:
+    global _deadline
     if _alarm_kept:
         outer = _deadline
         try:
-            now = time.monotonic()
-            deadline = now + seconds
-            if outer and outer < deadline:
-                deadline = outer  # a call inside a limited call keeps the outer limit too
             _deadline = deadline
             _arm_by(deadline, now)
             return fn()

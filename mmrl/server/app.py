@@ -38,20 +38,14 @@ import argparse
 import asyncio
 import bisect
 import contextlib
-import functools
-import gc
 import json
 import logging
 import math
-import multiprocessing
 import os
-import pickle
-import signal
 import socket
-import struct
 import sys
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -60,67 +54,35 @@ from mmrl.server.config import ServeConfig, load_serve_config
 from mmrl.server.guard import Authenticator, ConnectionGuard, guarded_protocol, redact_access_log
 from mmrl.server.protocol import RequestError, WireItem, WireResult
 from mmrl.types import VerifyContext
-from mmrl.verifiers.registry import VerifierTimeout, call_with_time_limit, get_verifier, keep_alarm_handler
+from mmrl.verifier_pool import Busy, PoolEvents, VerifierPool, _take_back, freeze_heap  # noqa: F401 - _take_back: tests
+from mmrl.verifiers.registry import VerifierTimeout, call_with_time_limit, get_verifier
 
 log = logging.getLogger("mmrl.server")
 
-PIPELINE_DEPTH = 2
-"""Messages in flight per worker: the next one is already in its pipe when it finishes one."""
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds (seconds) of the request-latency histogram."""
 DRAIN_LIMIT = 256 * 1024 * 1024
 """An oversize body is read and discarded up to this size (so the client sees the 413 instead
 of a reset connection); beyond it the connection is closed."""
-WATCHDOG_PERIOD_S = 0.05
-"""How often worker progress is checked against the hard time limit."""
-_HEADER = struct.Struct("!i")
-_LONG_HEADER = struct.Struct("!Q")
-
 
 # ---------------------------------------------------------------------------------------------
 # The worker process
 
 
-def _worker_main(
-    inbox, outbox, progress, plugins: tuple[str, ...], time_limit_s: float, cache_size: int
-) -> None:
-    """Score chunks of `WireItem`s until the server closes the pipe.
+class WireScorer:
+    """The server's items in the verifier pool (`mmrl.verifier_pool`): `WireItem`s to
+    `WireResult`s. Sent to every worker; `checked` remembers samples already checked there."""
 
-    `progress` is shared memory `[chunk seq, item index, start time]` (start time 0 when idle),
-    written before each sample so the server knows what a stuck or dead worker was doing."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle
-    from mmrl.router import import_plugins
-    from mmrl.verifiers.registry import warm_up_verifiers
+    def __init__(self, time_limit_s: float, cache_size: int):
+        self.time_limit_s = time_limit_s
+        self.cache_size = cache_size
+        self.checked: OrderedDict = OrderedDict()
 
-    import_plugins(plugins)
-    warm_up_verifiers()
-    _freeze_heap()
-    outbox.send_bytes(pickle.dumps(("ready", os.getpid())))
-    checked: OrderedDict = OrderedDict()
-    with keep_alarm_handler():  # this process only scores: the timer is armed only when needed
-        while True:
-            try:
-                data = inbox.recv_bytes()
-            except (EOFError, OSError):
-                return
-            seq, items = pickle.loads(data)
-            out = []
-            samples: dict = {}
-            for k, item in enumerate(items):
-                progress[0] = seq
-                progress[1] = k
-                progress[2] = time.monotonic()
-                out.append(_score_item(item, checked, cache_size, time_limit_s, samples))
-            progress[2] = 0.0
-            outbox.send_bytes(pickle.dumps((seq, out), protocol=pickle.HIGHEST_PROTOCOL))
+    def __call__(self, item: WireItem, chunk: dict) -> WireResult:
+        return _score_item(item, self.checked, self.cache_size, self.time_limit_s, chunk)
 
-
-def _freeze_heap() -> None:
-    """Move everything allocated so far (modules, verifiers' caches) out of the garbage
-    collector's view: the full collections that the per-request garbage triggers would
-    otherwise walk that whole heap again and again."""
-    gc.collect()
-    gc.freeze()
+    def error_result(self, message: str) -> WireResult:
+        return (0.0, {}, message, None, None)
 
 
 def _score_item(
@@ -181,458 +143,28 @@ def _number(value: Any) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# The pool of workers and the queue in front of it
+# The pool of workers and the queue in front of it: `mmrl.verifier_pool`, shared with the trainer
 
 
-class Busy(Exception):
-    """Accepting the request would exceed `max_pending`."""
-
-
-class Job:
-    """The items of one request and their results."""
-
-    __slots__ = ("items", "results", "remaining", "future", "done", "timer")
-
-    def __init__(self, items: list[WireItem], future: asyncio.Future):
-        self.items = items
-        self.results: list[WireResult | None] = [None] * len(items)
-        self.remaining = len(items)
-        self.future = future
-        self.done = False
-        self.timer: asyncio.TimerHandle | None = None
-
-    def set(self, index: int, result: WireResult) -> bool:
-        """Record one result; False if the job already had one (or timed out)."""
-        return self.results[index] is None and self.fill(index, [result])
-
-    def fill(self, start: int, results: list[WireResult]) -> bool:
-        """Record the results of items `start, start + 1, ...`, none of which has one yet
-        (each item is sent to a worker once, or again only after a worker died without
-        answering for it); False if the job is already done (timed out)."""
-        if self.done:
-            return False
-        self.results[start : start + len(results)] = results
-        self.remaining -= len(results)
-        if self.remaining == 0:
-            self.finish()
-        return True
-
-    def finish(self) -> None:
-        self.done = True
-        if self.timer is not None:
-            self.timer.cancel()
-        if not self.future.done():
-            self.future.set_result(None)
-
-
-class _Reader(asyncio.Protocol):
-    """Reassembles the worker's `Connection.send_bytes` frames."""
-
-    def __init__(self, on_frame: Callable[[bytes], None]):
-        self.on_frame = on_frame
-        self.buffer = bytearray()
-
-    def data_received(self, data: bytes) -> None:
-        buf = self.buffer
-        buf += data
-        pos = 0
-        while True:
-            if len(buf) - pos < 4:
-                break
-            (n,) = _HEADER.unpack_from(buf, pos)
-            start = pos + 4
-            if n == -1:
-                if len(buf) - start < 8:
-                    break
-                (n,) = _LONG_HEADER.unpack_from(buf, start)
-                start += 8
-            if len(buf) - start < n:
-                break
-            self.on_frame(bytes(buf[start : start + n]))
-            pos = start + n
-        if pos:
-            del buf[:pos]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        pass  # the process sentinel reports the worker's end
-
-
-def _span_items(spans: list[Span]) -> list[WireItem]:
-    if len(spans) == 1:
-        job, start, end = spans[0]
-        return job.items[start:end]
-    items: list[WireItem] = []
-    for job, start, end in spans:
-        items += job.items[start:end]
-    return items
-
-
-def _take_back(
-    chunks: dict[int, tuple[list[Span], int]], blamed: tuple[int, int] | None
-) -> tuple[list[Span], tuple[Job, int] | None]:
-    """What a dead worker held: the spans to queue again, and `(job, item)` of the one it was
-    scoring (`blamed`: (message seq, index in the message)), which is left out of them."""
-    requeue: list[Span] = []
-    culprit = None
-    for seq, (spans, _) in chunks.items():
-        offset = 0
-        for job, start, end in spans:
-            item = start + blamed[1] - offset if blamed is not None and seq == blamed[0] else -1
-            offset += end - start
-            if start <= item < end:
-                culprit = (job, item)
-                requeue += [span for span in ([job, start, item], [job, item + 1, end]) if span[1] < span[2]]
-            else:
-                requeue.append([job, start, end])
-    return requeue, culprit
-
-
-def _frame(payload: bytes) -> bytes:
-    n = len(payload)
-    if n > 0x7FFFFFFF:
-        return _HEADER.pack(-1) + _LONG_HEADER.pack(n) + payload
-    return _HEADER.pack(n) + payload
-
-
-Span = list
-"""`[job, start, end]`: items `start:end` of a job, queued or sent to a worker together."""
-
-
-class _Worker:
-    __slots__ = (
-        "slot",
-        "proc",
-        "progress",
-        "writer",
-        "reader",
-        "ready",
-        "dead",
-        "chunks",
-        "n_items",
-        "kill_reason",
+def server_pool(cfg: ServeConfig, metrics: Metrics) -> VerifierPool:
+    """The verifier pool serving `cfg` (its workers retry forever if plugins fail to import)."""
+    return VerifierPool(
+        WireScorer(cfg.time_limit_s, cfg.check_cache_size),
+        cfg.resolved_workers(),
+        time_limit_s=cfg.time_limit_s,
+        kill_grace_s=cfg.kill_grace_s,
+        plugins=cfg.plugins,
+        max_chunk=cfg.max_chunk,
+        max_pending=cfg.max_pending,
+        events=metrics,
     )
-
-    def __init__(self, slot: int):
-        self.slot = slot
-        self.proc: Any = None
-        self.progress: Any = None
-        self.writer: asyncio.WriteTransport | None = None
-        self.reader: asyncio.ReadTransport | None = None
-        self.ready = False
-        self.dead = False
-        self.chunks: dict[int, tuple[list[Span], int]] = {}
-        """In flight: message seq -> (its spans, its item count)."""
-        self.n_items = 0
-        self.kill_reason: str | None = None
-
-
-class WorkerPool:
-    """Verifier worker processes fed from one queue (see the module docstring)."""
-
-    def __init__(self, cfg: ServeConfig, metrics: Metrics):
-        self.cfg = cfg
-        self.metrics = metrics
-        self.n_workers = cfg.resolved_workers()
-        self.ctx = multiprocessing.get_context("spawn")
-        self.queue: deque[Span] = deque()
-        self.queued = 0
-        """Items in `queue`."""
-        self.workers: list[_Worker] = []
-        self.pending = 0
-        self.seq = 0
-        self.closing = False
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._pump_scheduled = False
-        self._watchdog: asyncio.Task | None = None
-        self._startup_failures = [0] * self.n_workers
-        self.restarts = 0
-
-    # -- lifecycle
-
-    async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        for slot in range(self.n_workers):
-            self.workers.append(self._spawn(slot))
-        self._watchdog = asyncio.create_task(self._watch())
-
-    def _spawn(self, slot: int) -> _Worker:
-        worker = _Worker(slot)
-        inbox_r, inbox_w = self.ctx.Pipe(duplex=False)
-        outbox_r, outbox_w = self.ctx.Pipe(duplex=False)
-        worker.progress = self.ctx.RawArray("d", 3)
-        worker.proc = self.ctx.Process(
-            target=_worker_main,
-            args=(
-                inbox_r,
-                outbox_w,
-                worker.progress,
-                tuple(self.cfg.plugins),
-                self.cfg.time_limit_s,
-                self.cfg.check_cache_size,
-            ),
-            name=f"mmrl-verifier-{slot}",
-            daemon=True,
-        )
-        worker.proc.start()
-        inbox_r.close()  # the child's ends: closing ours lets EOF mean "the other side is gone"
-        outbox_w.close()
-        loop = self.loop
-        assert loop is not None
-
-        async def connect() -> None:
-            worker.writer, _ = await loop.connect_write_pipe(asyncio.Protocol, inbox_w)
-            worker.reader, _ = await loop.connect_read_pipe(
-                lambda: _Reader(functools.partial(self._on_frame, worker)), outbox_r
-            )
-
-        loop.create_task(connect())
-        loop.add_reader(worker.proc.sentinel, self._on_exit, worker)
-        return worker
-
-    async def close(self) -> None:
-        self.closing = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        for worker in self.workers:
-            if worker.writer is not None:
-                worker.writer.close()  # the worker reads EOF and returns
-        deadline = time.monotonic() + 3.0
-        while any(w.proc.is_alive() for w in self.workers) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        for worker in self.workers:
-            with contextlib.suppress(Exception):
-                self.loop.remove_reader(worker.proc.sentinel)
-            if worker.proc.is_alive():
-                worker.proc.kill()
-            worker.proc.join(1.0)
-            if worker.reader is not None:
-                worker.reader.close()
-        for job, _, _ in self.queue:
-            self._fail(job, "the server is shutting down")
-        for worker in self.workers:
-            for spans, _ in worker.chunks.values():
-                for job, _, _ in spans:
-                    self._fail(job, "the server is shutting down")
-        self.queue.clear()
-        self.queued = 0
-
-    # -- submitting work
-
-    def run(self, items: list[WireItem], timeout_s: float) -> Job:
-        """Queue a request's items; `job.future` resolves when every item has a result in
-        `job.results` (or the request's time limit passed: the rest get timeout errors).
-        Raises `Busy` instead of queueing past `max_pending`."""
-        loop = self.loop
-        job = Job(items, loop.create_future())
-        if not items:
-            job.finish()
-            return job
-        if self.pending + len(items) > self.cfg.max_pending:
-            raise Busy(
-                f"{self.pending} samples are pending and this request adds {len(items)} (limit {self.cfg.max_pending})"
-            )
-        self.pending += len(items)
-        self.queue.append([job, 0, len(items)])
-        self.queued += len(items)
-        job.timer = loop.call_later(timeout_s, self._expire, job, timeout_s)
-        self._schedule_pump()
-        return job
-
-    def _expire(self, job: Job, timeout_s: float) -> None:
-        if job.done:
-            return
-        message = f"timeout: the request's {timeout_s:g}s limit passed before this sample was scored"
-        for i, result in enumerate(job.results):
-            if result is None:
-                job.results[i] = (0.0, {}, message, None, None)
-                self.metrics.sample_done(job.items[i][0][0], "timeout")
-        job.remaining = 0
-        job.finish()
-
-    def _fail(self, job: Job, message: str) -> None:
-        for i, result in enumerate(job.results):
-            if result is None:
-                job.set(i, (0.0, {}, message, None, None))
-
-    def _schedule_pump(self) -> None:
-        if not self._pump_scheduled:
-            self._pump_scheduled = True
-            self.loop.call_soon(self._pump)
-
-    def _pump(self) -> None:
-        """Send queued items to workers with a free pipeline slot, the queue split evenly
-        between them (at most `max_chunk` per message), least-loaded worker first."""
-        self._pump_scheduled = False
-        queue = self.queue
-        if not queue:
-            return
-        free = [w for w in self.workers if w.ready and not w.dead and len(w.chunks) < PIPELINE_DEPTH]
-        if not free:
-            return
-        size = min(self.cfg.max_chunk, math.ceil(self.queued / len(free)))
-        while queue and free:
-            worker = min(free, key=lambda w: w.n_items)
-            spans: list[Span] = []
-            n = 0
-            while queue and n < size:
-                span = queue[0]
-                job, start, end = span
-                if job.done:  # its request timed out
-                    queue.popleft()
-                    self.queued -= end - start
-                    self.pending -= end - start
-                    continue
-                take = min(end - start, size - n)
-                spans.append([job, start, start + take])
-                n += take
-                self.queued -= take
-                if start + take == end:
-                    queue.popleft()
-                else:
-                    span[1] = start + take
-            if not spans:
-                return
-            self.seq += 1
-            try:
-                payload = pickle.dumps((self.seq, _span_items(spans)), protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception:  # noqa: BLE001 - e.g. a ground truth nested too deeply to pickle
-                spans = self._drop_unpicklable(spans)
-                if not spans:
-                    continue
-                n = sum(end - start for _, start, end in spans)
-                payload = pickle.dumps((self.seq, _span_items(spans)), protocol=pickle.HIGHEST_PROTOCOL)
-            worker.chunks[self.seq] = (spans, n)
-            worker.n_items += n
-            worker.writer.write(_frame(payload))
-            if len(worker.chunks) >= PIPELINE_DEPTH:
-                free.remove(worker)
-
-    def _drop_unpicklable(self, spans: list[Span]) -> list[Span]:
-        """The items of `spans` that can be sent (as one-item spans); the others get an error
-        result now."""
-        keep = []
-        for job, start, end in spans:
-            for index in range(start, end):
-                try:
-                    pickle.dumps(job.items[index], protocol=pickle.HIGHEST_PROTOCOL)
-                    keep.append([job, index, index + 1])
-                except Exception as exc:  # noqa: BLE001
-                    self.pending -= 1
-                    error = f"cannot send this sample to a verifier worker: {type(exc).__name__}: {exc}"
-                    if job.set(index, (0.0, {}, error, None, None)):
-                        self.metrics.sample_done(job.items[index][0][0], "error")
-        return keep
-
-    # -- worker events
-
-    def _on_frame(self, worker: _Worker, data: bytes) -> None:
-        seq, payload = pickle.loads(data)
-        if seq == "ready":
-            worker.ready = True
-            self._startup_failures[worker.slot] = 0
-            log.info("verifier worker %d ready (pid %d)", worker.slot, payload)
-            self._schedule_pump()
-            return
-        sent = worker.chunks.pop(seq, None)
-        if sent is None:
-            return
-        spans, n = sent
-        worker.n_items -= n
-        self.pending -= n
-        offset = 0
-        for job, start, end in spans:
-            results = payload[offset : offset + end - start]
-            offset += end - start
-            if job.fill(start, results):  # else the request timed out meanwhile
-                self.metrics.results_done(job.items[start:end], results)
-        self._schedule_pump()
-
-    def _on_exit(self, worker: _Worker) -> None:
-        """The worker process ended (killed by the watchdog, crashed, or shut down)."""
-        loop = self.loop
-        loop.remove_reader(worker.proc.sentinel)
-        if worker.dead:
-            return
-        worker.dead = True
-        worker.proc.join(0.5)
-        code = worker.proc.exitcode
-        for transport in (worker.writer, worker.reader):
-            if transport is not None:
-                transport.close()
-        if self.closing:
-            return
-        reason = worker.kill_reason or (
-            f"the verifier worker process died while scoring this sample (exit code {code}); it was replaced"
-        )
-        seq, index, started = worker.progress[0], worker.progress[1], worker.progress[2]
-        blamed = (int(seq), int(index)) if started > 0 else None
-        requeue, culprit = _take_back(worker.chunks, blamed)
-        if culprit is not None:
-            job, item = culprit
-            self.pending -= 1
-            if job.set(item, (0.0, {}, reason, None, None)):
-                kind = "timeout" if worker.kill_reason else "crash"
-                self.metrics.sample_done(job.items[item][0][0], kind)
-        worker.chunks.clear()
-        self.queue.extendleft(reversed(requeue))
-        self.queued += sum(end - start for _, start, end in requeue)
-        self._schedule_pump()
-        if worker.ready:
-            log.warning("verifier worker %d (pid %s) ended: %s", worker.slot, worker.proc.pid, reason)
-            delay = 0.0
-        else:
-            self._startup_failures[worker.slot] += 1
-            delay = min(30.0, 0.5 * 2 ** self._startup_failures[worker.slot])
-            log.error(
-                "verifier worker %d exited with code %s before it was ready (plugins failing to import?); "
-                "retrying in %.1fs",
-                worker.slot,
-                code,
-                delay,
-            )
-        self.restarts += 1
-        self.metrics.worker_restarts += 1
-        loop.call_later(delay, self._replace, worker)
-
-    def _replace(self, worker: _Worker) -> None:
-        if self.closing:
-            return
-        self.workers[worker.slot] = self._spawn(worker.slot)
-
-    async def _watch(self) -> None:
-        limit = self.cfg.time_limit_s + self.cfg.kill_grace_s
-        while True:
-            await asyncio.sleep(WATCHDOG_PERIOD_S)
-            now = time.monotonic()
-            for worker in self.workers:
-                if worker.dead or not worker.chunks or worker.kill_reason:
-                    continue
-                started = worker.progress[2]
-                if started > 0 and now - started > limit:
-                    worker.kill_reason = (
-                        f"timeout: the verifier ran past {self.cfg.time_limit_s:g}s (+{self.cfg.kill_grace_s:g}s grace) "
-                        "and its worker process was killed"
-                    )
-                    log.warning(
-                        "killing verifier worker %d (pid %s): %s",
-                        worker.slot,
-                        worker.proc.pid,
-                        worker.kill_reason,
-                    )
-                    worker.proc.kill()
-
-    # -- state
-
-    @property
-    def ready_workers(self) -> int:
-        return sum(1 for w in self.workers if w.ready and not w.dead)
 
 
 # ---------------------------------------------------------------------------------------------
 # Metrics (Prometheus text format)
 
 
-class Metrics:
+class Metrics(PoolEvents):
     """Counters and a latency histogram, rendered in Prometheus' text exposition format."""
 
     def __init__(self) -> None:
@@ -672,7 +204,17 @@ class Metrics:
                 )
                 self.errors[(verifier, kind)] += 1
 
-    def render(self, pool: WorkerPool) -> str:
+    # The verifier pool's events
+    def results(self, items: list[WireItem], results: list[WireResult]) -> None:
+        self.results_done(items, results)
+
+    def failed(self, item: WireItem, kind: str) -> None:
+        self.sample_done(item[0][0], kind)
+
+    def restarted(self) -> None:
+        self.worker_restarts += 1
+
+    def render(self, pool: VerifierPool) -> str:
         lines = [
             "# HELP mmrl_requests_total HTTP requests by endpoint and status.",
             "# TYPE mmrl_requests_total counter",
@@ -748,19 +290,19 @@ def create_app(cfg: ServeConfig | None = None) -> RewardEndpoints:
     import_plugins(cfg.plugins)
     known = frozenset(verifier_names())
     metrics = Metrics()
-    pool = WorkerPool(cfg, metrics)
+    pool = server_pool(cfg, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await pool.start()
-        _freeze_heap()
+        freeze_heap()
         log.info(
             "mmrl reward server: %d verifier workers; verifiers: %s", pool.n_workers, ", ".join(sorted(known))
         )
         try:
             yield
         finally:
-            await pool.close()
+            await pool.close("the server is shutting down")
 
     app = FastAPI(
         title="mmrl reward server",
@@ -787,7 +329,7 @@ class _Endpoints:
     def __init__(
         self,
         cfg: ServeConfig,
-        pool: WorkerPool,
+        pool: VerifierPool,
         metrics: Metrics,
         known: frozenset[str],
         guard: ConnectionGuard | None = None,

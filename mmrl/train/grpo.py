@@ -49,7 +49,7 @@ from mmrl.rewards.config import accelerator_device, build_reward_models
 from mmrl.rewards.placement import RewardPlacement
 from mmrl.rewards.router_bridge import score_model_rewards
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
-from mmrl.router import RewardBatch, Router
+from mmrl.router import RewardBatch, Router, model_reward_failed
 from mmrl.train.batching import select_rows
 from mmrl.train.checkpoint import (
     apply_retention,
@@ -836,16 +836,24 @@ def generate_and_score(
 
 def add_model_rewards(placement: RewardPlacement, batch: RolloutBatch, rewards: RewardBatch) -> None:
     """Score the responses whose samples name reward models; add each row's weighted total to
-    its reward and keep every model's output as a `model/<name>` component."""
+    its reward and keep every model's output as a `model/<name>` component. A model that
+    raises is treated like a verifier error (`mmrl.router.model_reward_failed`): its rows get
+    an error result, counted, and the step goes on."""
     if not any(s.reward_model.models for s in batch.samples):
         return
+    failures: dict[int, tuple[str, str]] = {}
     with placement.scoring():
-        rows = score_model_rewards(batch.samples, batch.texts, None, placement.models)
+        rows = score_model_rewards(batch.samples, batch.texts, None, placement.models, failures)
     for i, row in enumerate(rows):
         if row:
             rewards.results[i].components.update({f"model/{k}": float(v) for k, v in row.items()})
+        if i in failures:
+            continue
+        if row:
             rewards.results[i].score += float(row["total"])
             rewards.scores[i] += float(row["total"])
+    if failures:
+        model_reward_failed(rewards, batch.samples, failures)
 
 
 def rollout_and_score(
