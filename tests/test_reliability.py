@@ -120,14 +120,15 @@ def _nan_data(tmp_path: Path, nan_ids: set[int]) -> list[str]:
 def test_a_nan_reward_skips_the_step_names_the_sample_and_training_goes_on(
     mmrl_cache, tmp_path, monkeypatch, caplog
 ):
+    """With every reward in before the update (`reward.update_while_scoring=false`) a NaN skips
+    the whole step. Pipelined, a NaN that arrives after a mini-batch was applied is a partial step
+    instead: tests/test_update_while_scoring.py covers that case."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))
     data = _nan_data(tmp_path, {3})
+    overrides = [*SHORT, *data, "trainer.total_steps=2", "reward.update_while_scoring=false"]
     with caplog.at_level(logging.WARNING):
         result = train(
-            load_config(
-                "vision_reasoning",
-                overrides=[*SHORT, *data, "trainer.total_steps=2", f"trainer.run_dir={tmp_path / 'run'}"],
-            )
+            load_config("vision_reasoning", overrides=[*overrides, f"trainer.run_dir={tmp_path / 'run'}"])
         )
     steps = [r for r in _metrics(result.run_dir) if "guard/skipped_step" in r]
     assert [r["guard/skipped_step"] for r in steps].count(

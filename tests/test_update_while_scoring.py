@@ -4,6 +4,7 @@ groups are still being scored, and it is the same update as waiting for every re
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import pytest
@@ -111,14 +112,18 @@ def _second_mini_batch_of_step_1(samples, cfg) -> set[str]:
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
-def test_a_non_finite_reward_in_the_second_mini_batch(mmrl_cache, monkeypatch, pipelined):
+def test_a_non_finite_reward_in_the_second_mini_batch(mmrl_cache, monkeypatch, caplog, pipelined):
     """Pipelined, the first mini-batch was already stepped on when the NaN arrives: the update
     stops there and the step is reported as the partial step it is (not "skipped": the weights
     changed). Waiting for every reward first, the step is skipped whole and nothing changes.
     Either way every non-finite reward is counted."""
     monkeypatch.syspath_prepend(PLUGINS)
     flag = [] if pipelined else ["reward.update_while_scoring=false"]
-    metrics, initial, final = _steps(flag, "nan", which=_second_mini_batch_of_step_1, steps=1)
+    with caplog.at_level(logging.WARNING):
+        metrics, initial, final = _steps(flag, "nan", which=_second_mini_batch_of_step_1, steps=1)
+    # The log says what happened to the step and names the samples.
+    assert ("a partial step" in caplog.text) == pipelined and ("step skipped" in caplog.text) != pipelined
+    assert "non-finite reward for samples ['vision_reasoning/" in caplog.text
     changed = any(not torch.equal(v, initial[k]) for k, v in final.items())
     assert changed == pipelined
     assert metrics[0]["guard/skipped_step"] == (0.0 if pipelined else 1.0)

@@ -515,13 +515,17 @@ def learn_from_rollouts(
     )
     hook = None
     if deferred is not None and pipelined_update(cfg, t, batch):
-        hook = inputs.filler(cfg, batch, deferred, step)
+        hook = inputs.filler(cfg, batch, deferred)
     else:
         if deferred is not None:
             rewards, _ = deferred()
         # Numeric guard: a non-finite reward means a broken verifier or reward model; the step
         # is skipped (no update), counted, and the offending samples named.
-        if (skipped := nonfinite_guard(batch, rewards.scores, range(len(batch)), step)) is not None:
+        if (skipped := nonfinite_guard(rewards.scores)) is not None:
+            ids = sorted(
+                {s.id for s, r in zip(batch.samples, rewards.scores.tolist()) if not math.isfinite(r)}
+            )
+            log.warning("step %d: non-finite reward for samples %s: step skipped", step, ids[:20])
             return {**skipped, "time/step_s": time.monotonic() - t0}
         inputs.fill(cfg, batch, range(len(batch)), rewards)
         inputs.normalize_weights(cfg, batch)
@@ -541,15 +545,15 @@ def learn_from_rollouts(
         # them would need a copy of the weights and optimizer state): a partial step, reported
         # as one; with none applied the step is skipped.
         everything, _ = deferred()
-        metrics = {
-            **exc.metrics,
-            "guard/nonfinite_rewards": float((~torch.isfinite(everything.scores)).sum()),
-        }
+        bad = ~torch.isfinite(everything.scores)
+        metrics = {**exc.metrics, "guard/nonfinite_rewards": float(bad.sum())}
+        ids = sorted({batch.samples[i].id for i in bad.nonzero().flatten().tolist()})
         if exc.applied:
             log.warning(
-                "step %d: %d mini-batch(es) had been applied before the non-finite reward arrived: "
-                "a partial step (guard/partial_step)",
+                "step %d: non-finite reward for samples %s after %d mini-batch(es) had been "
+                "applied: a partial step (guard/partial_step)",
                 step,
+                ids[:20],
                 exc.applied,
             )
             metrics.update(
@@ -561,6 +565,8 @@ def learn_from_rollouts(
                 }
             )
             t.scheduler.step()  # the weights did change: the schedule moves on as for any step
+        else:
+            log.warning("step %d: non-finite reward for samples %s: step skipped", step, ids[:20])
         return {**metrics, "time/step_s": time.monotonic() - t0}
     if deferred is not None:  # every reward is in by now; the time waited for them in all
         rewards, waited = deferred()
@@ -608,17 +614,12 @@ class NonFiniteRewards(Exception):
         """Mini-batches already updated on when it was raised."""
 
 
-def nonfinite_guard(
-    batch: RolloutBatch, scores: torch.Tensor, rows: Iterable[int], step: int
-) -> dict[str, float] | None:
-    """The skipped step's metrics if any of `scores` (the rewards of `rows`) is not finite
-    (the offending samples are named in the log), else None."""
-    rows = list(rows)
+def nonfinite_guard(scores: torch.Tensor) -> dict[str, float] | None:
+    """The skipped step's metrics if any of `scores` is not finite, else None (the caller
+    names the offending samples in the log, with what became of the step)."""
     bad = ~torch.isfinite(scores)
     if not bad.any():
         return None
-    ids = sorted({batch.samples[rows[i]].id for i in bad.nonzero().flatten().tolist()})
-    log.warning("step %d: non-finite reward for samples %s: step skipped", step, ids[:20])
     return {
         "guard/skipped_step": 1.0,
         "guard/nonfinite_rewards": float(bad.sum()),
@@ -735,7 +736,7 @@ class StepInputs:
             self.weights, _ = batch_normalize_weights(self.weights, batch.response_mask, cfg.algo.tis)
 
     def filler(
-        self, cfg: Config, batch: RolloutBatch, deferred: DeferredRewards, step: int
+        self, cfg: Config, batch: RolloutBatch, deferred: DeferredRewards
     ) -> Callable[[list[int]], None]:
         """The update's `before_minibatch` hook: waits for the rewards of the groups a mini-batch
         touches that are not filled yet and fills them (raises `NonFiniteRewards` instead of
@@ -751,7 +752,7 @@ class StepInputs:
                 return
             rows = [g * G + j for g in groups for j in range(G)]
             rewards = deferred.rows(rows)
-            if (skipped := nonfinite_guard(batch, rewards.scores, rows, step)) is not None:
+            if (skipped := nonfinite_guard(rewards.scores)) is not None:
                 raise NonFiniteRewards(skipped, applied=calls[0])
             calls[0] += 1
             self.fill(cfg, batch, rows, rewards)
