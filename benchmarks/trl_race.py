@@ -237,7 +237,7 @@ class ModelClock:
     @contextlib.contextmanager
     def installed(self):
         model, engine, clock = self.model, self.engine, self
-        generate, forward, backward = model.generate, model.forward, torch.Tensor.backward
+        generate, backward = model.generate, torch.Tensor.backward
         rollout = engine.generate
 
         @functools.wraps(rollout)
@@ -258,16 +258,19 @@ class ModelClock:
                 clock._in_generate = False
                 clock.seconds["generate"] += time.perf_counter() - start
 
-        @functools.wraps(forward)
-        def timed_forward(*args, **kwargs):
-            if clock._in_generate:
-                return forward(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return forward(*args, **kwargs)
-            finally:
+        # The forward is timed by hooks, not by replacing `model.forward`: the trainer's log-prob
+        # pass runs its own function as the model's forward (`call_as_forward`), which the
+        # hooks see like any call of the model.
+        started: list[float] = []
+
+        def before_forward(module, args):
+            if not clock._in_generate:
+                started.append(time.perf_counter())
+
+        def after_forward(module, args, output):
+            if not clock._in_generate and started:
                 part = "forward (rollout)" if clock._in_rollout else "forward (trainer)"
-                clock.seconds[part] += time.perf_counter() - start
+                clock.seconds[part] += time.perf_counter() - started.pop()
 
         @functools.wraps(backward)
         def timed_backward(tensor, *args, **kwargs):
@@ -278,12 +281,18 @@ class ModelClock:
                 clock.seconds["backward"] += time.perf_counter() - start
 
         engine.generate = timed_rollout
-        model.generate, model.forward = timed_generate, timed_forward
+        model.generate = timed_generate
+        hooks = [
+            model.register_forward_pre_hook(before_forward),
+            model.register_forward_hook(after_forward, always_call=True),
+        ]
         torch.Tensor.backward = timed_backward
         try:
             yield self
         finally:
-            del engine.generate, model.generate, model.forward  # back to the classes' methods
+            del engine.generate, model.generate  # back to the classes' methods
+            for hook in hooks:
+                hook.remove()
             torch.Tensor.backward = backward
 
 

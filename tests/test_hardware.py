@@ -11,8 +11,10 @@ What is covered where (see also the README, "What is tested where"):
   names its device (or is on the list of host-side bookkeeping). The model's own forward cannot
   run on `meta` (the Qwen-VL vision code reads image grids and masks as values), so the GPU
   test at the end is what covers it;
-- precision: bfloat16 on the CPU end to end (the slow test in tests/test_training.py also
-  trains in it), first-step log-probs against float32 within a stated tolerance.
+- precision: bfloat16 mixed precision on the CPU (placement of trainable and frozen weights,
+  first-step log-probs against float32 within a stated tolerance, an update with bfloat16 master
+  weights), gradient checkpointing (same gradients, layers recomputed), a reference kept on the
+  host; tests/test_bf16_learning.py trains the built-in task in bfloat16.
 """
 
 from __future__ import annotations
@@ -326,6 +328,82 @@ def test_bfloat16_log_probs_agree_with_float32_within_tolerance(tiny_policy):
     assert diff.max() > 0  # really computed in bfloat16
 
 
+def _grads_of_one_pass(policy, cfg, batch):
+    prepare_policy(cfg, policy)
+    policy.model.zero_grad(set_to_none=True)
+    with policy.autocast():
+        logp, _ = response_logprobs(policy.model, batch, policy.blocked, 1.0)
+    logp.sum().backward()
+    return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_gradients(tiny_policy):
+    """model.gradient_checkpointing=true: every decoder layer runs again in the backward (its
+    activations were not kept), and the gradients are those of the plain pass."""
+    import copy
+
+    twin = dataclasses.replace(tiny_policy, model=copy.deepcopy(tiny_policy.model))
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(make_samples(["colour_code"], 2, "train"), SamplingParams(n=2, max_new_tokens=6))
+    plain = _grads_of_one_pass(tiny_policy, _bf16_cfg(), batch)
+    # transformers checkpoints a layer's `forward` (its own hooks stay outside): count calls of
+    # a module inside it, before it runs (the recomputation stops once it has what it needs).
+    attention = twin.model.model.language_model.layers[0].self_attn
+    calls = []
+    attention.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    checkpointed = _grads_of_one_pass(twin, _bf16_cfg("model.gradient_checkpointing=true"), batch)
+    assert twin.model.is_gradient_checkpointing and not tiny_policy.model.is_gradient_checkpointing
+    assert len(calls) == 2  # the forward, then its recomputation in the backward
+    assert plain.keys() == checkpointed.keys() and len(plain) > 10
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_master_weights_in_bfloat16_train_in_bfloat16(tiny_policy):
+    """model.master_dtype=bfloat16: the weights that train, their gradients and AdamW's state are
+    bfloat16 (half the memory, rounded updates); log-probs and the loss stay float32."""
+    from mmrl.train.grpo import make_trainee
+
+    cfg = _bf16_cfg("model.dtype=bfloat16", "model.master_dtype=bfloat16", "optim.lr=1e-2")
+    t = make_trainee(cfg, tiny_policy)
+    try:
+        assert {p.dtype for p in t.policy.model.parameters()} == {torch.bfloat16}
+        batch = t.engine.generate(
+            make_samples(["colour_code"], 2, "train"), SamplingParams(n=4, max_new_tokens=6)
+        )
+        old, _ = old_and_ref_logprobs(cfg, t.policy, None, batch)
+        assert old.dtype == torch.float32
+        before = [p.detach().clone() for p in t.policy.model.parameters()]
+        advantages = torch.tensor([1.0, -1.0, 0.5, -0.5] * 2)
+        metrics = t.update_policy(cfg, batch, advantages, old, None, None, None)
+        assert math.isfinite(metrics["actor/pg_loss"]) and metrics.get("actor/skipped_steps", 0) == 0
+        assert any(not torch.equal(a, p) for a, p in zip(before, t.policy.model.parameters()))
+        state = next(iter(t.optimizer.state.values()))
+        assert state["exp_avg"].dtype == torch.bfloat16
+    finally:
+        t.router.close()
+
+
+def test_a_reference_kept_on_the_host_gives_the_same_reference_log_probs(tiny_policy):
+    """model.reference_on_cpu=true: the frozen reference stays on the host between its passes
+    (moved to the policy's device only for them) and scores as the resident one does. On this
+    CPU-only machine host and device are the same, so what is shown is that the path computes
+    the same values and leaves the reference on the host; the move itself is the GPU test's."""
+    import copy
+
+    twin = dataclasses.replace(tiny_policy, model=copy.deepcopy(tiny_policy.model))
+    resident_cfg = _bf16_cfg("algo.kl_coef=0.01")
+    host_cfg = _bf16_cfg("algo.kl_coef=0.01", "model.reference_on_cpu=true")
+    resident = prepare_policy(resident_cfg, tiny_policy)
+    hosted = prepare_policy(host_cfg, twin)
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(make_samples(["colour_code"], 2, "train"), SamplingParams(n=2, max_new_tokens=6))
+    _, ref_a = old_and_ref_logprobs(resident_cfg, tiny_policy, resident, batch)
+    _, ref_b = old_and_ref_logprobs(host_cfg, twin, hosted, batch)
+    torch.testing.assert_close(ref_a, ref_b, atol=0, rtol=0)
+    assert {p.device.type for p in hosted.parameters()} == {"cpu"}
+
+
 # ---------------------------------------------------------------------------- hub ids
 
 
@@ -492,7 +570,13 @@ def test_a_pipeline_hub_id_reaches_diffusers_from_pretrained_unchanged(monkeypat
 
 # ------------------------------------------------------------------------- CUDA only
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+# `pytest -m cuda` selects these on a GPU machine; elsewhere they are skipped with the reason.
+_no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+def cuda(test):
+    """Marks a test `cuda` and skips it, with the reason, where there is no CUDA GPU."""
+    return pytest.mark.cuda(_no_cuda(test))
 
 
 @cuda
@@ -512,18 +596,38 @@ def test_on_a_gpu_the_step_runs_in_bfloat16_on_the_device(tiny_policy):
 
 
 @cuda
+def test_on_a_gpu_a_host_reference_visits_the_device_only_for_its_pass(tiny_policy):
+    cfg = _bf16_cfg("algo.kl_coef=0.01", "model.reference_on_cpu=true")
+    reference = prepare_policy(cfg, tiny_policy)
+    assert {p.device.type for p in reference.parameters()} == {"cpu"}
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = engine.generate(make_samples(["colour_code"], 2, "train"), SamplingParams(n=2, max_new_tokens=6))
+    _, ref = old_and_ref_logprobs(cfg, tiny_policy, reference, batch)
+    assert ref.device.type == "cuda" and torch.isfinite(ref).all()
+    assert {p.device.type for p in reference.parameters()} == {"cpu"}
+
+
+@cuda
 def test_on_a_gpu_the_log_prob_pass_peaks_at_a_few_chunks():
-    torch.cuda.reset_peak_memory_stats()
+    """The head as mixed-precision training runs it: float32 master weight, bfloat16 autocast.
+    Beyond what any implementation must hold (the gradients it returns, and autocast's bfloat16
+    copy of the weight, as the model's own head makes), the pass adds a few [chunk, V] buffers:
+    under 1/8 of the full float32 logits [T, V]."""
     T, H, V = 4096, 1024, 151_936
     h = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    W = torch.randn(V, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(V, H, device="cuda", dtype=torch.float32, requires_grad=True)
     targets = torch.randint(0, V, (T,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    logp, ent = head_logprobs(h, W, targets, None, 1.0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logp, ent = head_logprobs(h, W, targets, None, 1.0)
     (logp.sum() + ent.sum()).backward()
     peak = torch.cuda.max_memory_allocated() - base
+    unavoidable = W.numel() * 4 + h.numel() * 2 + W.numel() * 2  # W.grad, h.grad, bf16 copy of W
     full = T * V * 4
-    assert peak < full / 8, (peak, full)
+    assert W.grad.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
+    assert peak - unavoidable < full / 8, (peak, unavoidable, full)
 
 
 def test_the_optimizers_are_fused_where_torch_has_the_kernel(tmp_path):
@@ -536,3 +640,23 @@ def test_the_optimizers_are_fused_where_torch_has_the_kernel(tmp_path):
     assert adamw([{"params": list(linear.parameters()), "lr": 1e-3}], lr=1e-3).defaults["fused"] is True
     _, t = _flow_trainee(str(tmp_path))
     assert t.optimizer.defaults["fused"] is True
+
+
+def test_flow_reward_models_are_built_on_the_pipelines_device(monkeypatch):
+    """flow-GRPO's reward models go where the pipeline runs, unless a reward names its own."""
+    import mmrl.rewards as rewards_pkg
+    from mmrl.train.flow_config import load_flow_config
+    from mmrl.train.flow_grpo import make_rewards
+
+    calls = []
+    monkeypatch.setattr(rewards_pkg, "get_reward_model", lambda name, **kw: calls.append((name, kw)) or name)
+    cfg = load_flow_config(
+        "text_to_image",
+        overrides=["reward.names=[jpeg_compressibility,aesthetic]", "reward.weights=[1.0,1.0]"],
+    )
+    cfg.reward.kwargs = {"aesthetic": {"device": "cpu", "dtype": "bfloat16"}}
+    assert make_rewards(cfg, torch.device("cuda", 3)) == ["jpeg_compressibility", "aesthetic"]
+    assert calls == [
+        ("jpeg_compressibility", {"device": "cuda:3"}),
+        ("aesthetic", {"device": "cpu", "dtype": "bfloat16"}),
+    ]

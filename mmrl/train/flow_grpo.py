@@ -349,12 +349,14 @@ def make_flow_trainee(cfg: FlowConfig, pipe) -> FlowTrainee:
         else None,
         optimizer=optimizer,
         ema=EMA(params, cfg.trainer.ema_decay) if cfg.trainer.ema else None,
-        rewards=make_rewards(cfg),
+        rewards=make_rewards(cfg, precision.device),
     )
 
 
-def make_rewards(cfg: FlowConfig) -> list:
-    """The configured reward models (`mmrl.rewards` registry), built once."""
+def make_rewards(cfg: FlowConfig, device: str | torch.device = "cpu") -> list:
+    """The configured reward models (`mmrl.rewards` registry), built once, on the pipeline's
+    `device` unless a reward's kwargs name its own (`reward.kwargs.<name>.device`). Their weights
+    keep each model's own dtype default (float32, as flow_grpo scores), set by `dtype` in kwargs."""
     from mmrl.rewards import get_reward_model, reward_model_names
 
     known = reward_model_names()
@@ -362,7 +364,7 @@ def make_rewards(cfg: FlowConfig) -> list:
     for name in cfg.reward.names:
         if name not in known:
             raise ValueError(f"reward.names: unknown reward {name!r} (known: {', '.join(known)})")
-        kwargs = dict(cfg.reward.kwargs.get(name, {}) or {})
+        kwargs = {"device": str(device), **dict(cfg.reward.kwargs.get(name, {}) or {})}
         models.append(get_reward_model(name, **kwargs))
     return models
 

@@ -78,11 +78,15 @@ def call_as_forward(model: torch.nn.Module, fn: Callable[[torch.nn.Module], Any]
     run = getattr(model, "run_as_forward", None)
     if run is not None:
         return run(fn)
+    previous = model.__dict__.get("forward")  # an instance attribute someone installed, if any
     model.forward = types.MethodType(lambda self: fn(self), model)  # this call only
     try:
         return model()
     finally:
-        del model.forward
+        if previous is None:
+            del model.forward
+        else:
+            model.forward = previous
 
 
 def full_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:

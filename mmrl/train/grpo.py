@@ -438,7 +438,12 @@ def prepare_policy(cfg: Config, policy: Policy) -> torch.nn.Module | str | None:
     policy.precision = precision
     policy.blocked = policy.blocked.to(precision.device)
     if cfg.model.gradient_checkpointing:
-        policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers >= 5.x names it activation checkpointing (the old name warns).
+        enable = getattr(policy.model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            policy.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy.model.train()
     log.info("policy: %s", precision.describe())
     return reference
