@@ -185,6 +185,66 @@ def test_bad_reward_and_prompts_fail_clearly(cache, tmp_path):
         run_text_to_image(_cfg(cache, f"data.prompt_file={empty}", f"trainer.run_dir={tmp_path / 'run'}"))
 
 
+class _FailingReward:
+    """A reward model that raises on every call, or returns NaN for the images in `nan_rows`."""
+
+    def __init__(self, nan_rows: tuple[int, ...] | None = None):
+        self.nan_rows = nan_rows
+
+    def score_with_components(self, images, prompts):
+        from mmrl.rewards.base import RewardOutput
+
+        if self.nan_rows is None:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        scores = [float("nan") if i in self.nan_rows else 0.5 for i in range(len(prompts))]
+        return RewardOutput(scores=scores, components={})
+
+
+@pytest.mark.parametrize("on_error", ["zero", "drop"])
+def test_a_failing_reward_model_is_counted_and_the_step_goes_on(cache, caplog, on_error):
+    """A reward model that raises (or returns NaN for some images) does not stop training: its
+    failures are logged and counted per reward; `zero` scores them 0, `drop` gives the images
+    advantage 0 and leaves them out of their group's statistics."""
+    from mmrl.train.flow_grpo import compute_advantages
+
+    cfg = _cfg(
+        cache,
+        "reward.names=[jpeg_compressibility,jpeg_incompressibility]",
+        "reward.weights=[1.0,1.0]",
+        f"reward.on_error={on_error}",
+        "algo.global_std=false",
+    )
+    t = _trainee(cfg)
+    t.rewards[1] = _FailingReward()
+    with caplog.at_level("WARNING"):
+        metrics = flow_grpo_step(cfg, t, ["a red circle", "a blue square"], step=1)
+    assert "reward 'jpeg_incompressibility' failed on 8 images: RuntimeError" in caplog.text
+    assert (
+        metrics["reward/errors/jpeg_incompressibility"] == 8
+        and metrics["reward/errors/jpeg_compressibility"] == 0
+    )
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in metrics.items() if k.startswith("actor/"))
+    # NaN for two images of the first prompt: hand-checked advantages.
+    scores = torch.tensor(
+        [[1.0, 0.0], [2.0, float("nan")], [3.0, 0.0], [4.0, float("nan")]] + [[1.0, 0.0]] * 4
+    )
+    adv = compute_advantages(cfg, scores)
+    if on_error == "zero":  # group 0 is {1, 2, 3, 4}: population std sqrt(1.25)
+        expected = torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (1.25**0.5 + cfg.algo.adv_eps)
+    else:  # group 0 is {1, 3}: population std 1; the NaN rows get 0
+        expected = torch.tensor([-1.0, 0.0, 1.0, 0.0]) / (1.0 + cfg.algo.adv_eps)
+    torch.testing.assert_close(adv[:4], expected.clamp(-cfg.algo.adv_clip_max, cfg.algo.adv_clip_max))
+    assert torch.equal(adv[4:], torch.zeros(4))  # a constant group
+    t.rewards[1] = _FailingReward(nan_rows=(0, 5))
+    metrics = flow_grpo_step(cfg, t, ["a red circle", "a blue square"], step=2)
+    assert metrics["reward/errors/jpeg_incompressibility"] == 2 and metrics["reward/errors"] == 2
+
+
+def test_an_unknown_on_error_mode_is_refused(cache):
+    with pytest.raises(ValueError, match="reward.on_error must be zero or drop"):
+        _cfg(cache, "reward.on_error=ignore")
+
+
 # --- the run -------------------------------------------------------------------------------
 def test_run_directory_has_metrics_grids_curves_and_a_loadable_final_pipeline(cache, tmp_path):
     run = tmp_path / "run"

@@ -118,6 +118,10 @@ class FlowRewardConfig:
     combine: str = "sum"
     """`sum`: the weighted sum is the reward, normalised per prompt; `gdpo`: each reward is
     normalised per prompt, then weighted, summed and batch-normalised (GDPO)."""
+    on_error: str = "zero"
+    """A reward model that raises, or returns a wrong count or non-finite scores, is an error for
+    the images it did not score (logged, counted as `reward/errors/<name>`): `zero` scores them 0
+    for that reward; `drop` leaves those images out of the update and of their group's statistics."""
 
 
 @dataclass
@@ -265,6 +269,7 @@ class FlowConfig:
             (0 <= s.sde_window_size <= s.num_steps, "sample.sde_window_size must be in [0, num_steps]"),
             (len(s.sde_window_range) in (0, 2), "sample.sde_window_range must be [] or [lo, hi]"),
             (len(r.names) >= 1, "reward.names must name at least one reward"),
+            (r.on_error in ("zero", "drop"), f"reward.on_error must be zero or drop, got {r.on_error!r}"),
             (len(r.weights) == len(r.names), "reward.weights must have one weight per reward.names entry"),
             (r.combine in ("sum", "gdpo"), "reward.combine must be sum or gdpo"),
             (a.clip_range > 0, "algo.clip_range must be > 0"),

@@ -395,7 +395,7 @@ def flow_grpo_step(
     t3 = time.monotonic()
 
     n = len(rows_prompts)
-    grouped = scores @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
+    grouped = scores.nan_to_num(nan=0.0) @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
     if dump_dir is not None:
         write_flow_dump(
             dump_dir, step, rows_prompts, traj.images, scores, list(cfg.reward.names), grouped, advantages, G
@@ -472,35 +472,74 @@ def rollout(cfg: FlowConfig, t: FlowTrainee, prompts: list[str], gen: torch.Gene
 def score_images(
     cfg: FlowConfig, t: FlowTrainee, images: torch.Tensor, prompts: list[str]
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """[N, K] rewards (one column per reward model) and their metrics."""
+    """[N, K] rewards (one column per reward model) and their metrics.
+
+    A reward model that raises, returns the wrong number of scores, or non-finite ones is an
+    error for the images concerned, never a silent score: it is logged and counted
+    (`reward/errors/<name>`), and those entries are NaN in the result; `compute_advantages`
+    then scores them 0 or drops the images (`reward.on_error`)."""
     columns, metrics = [], {}
     for name, model in zip(cfg.reward.names, t.rewards):
-        out = model.score_with_components(images=images, prompts=prompts)
-        col = torch.tensor(out.scores, dtype=torch.float32)
-        if col.shape != (len(prompts),) or not torch.isfinite(col).all():
-            raise ValueError(
-                f"reward {name!r} returned {col.shape[0]} scores (or non-finite ones) for {len(prompts)} images"
+        try:
+            out = model.score_with_components(images=images, prompts=prompts)
+            col = torch.tensor(out.scores, dtype=torch.float32)
+            if col.shape != (len(prompts),):
+                raise ValueError(
+                    f"returned {col.shape[0] if col.dim() else 'no'} scores for {len(prompts)} images"
+                )
+        except Exception as exc:  # a reward model's failure is counted like a verifier error
+            log.warning("reward %r failed on %d images: %s: %s", name, len(prompts), type(exc).__name__, exc)
+            col = torch.full((len(prompts),), float("nan"))
+        failed = ~torch.isfinite(col)
+        if failed.any() and not failed.all():
+            log.warning(
+                "reward %r: non-finite scores for %d of %d images", name, int(failed.sum()), len(prompts)
             )
         columns.append(col)
-        metrics[f"reward/{name}/mean"] = float(col.mean())
-        metrics[f"reward/{name}/std"] = float(col.std())
+        metrics[f"reward/errors/{name}"] = float(failed.sum())
+        good = col[~failed]
+        metrics[f"reward/{name}/mean"] = float(good.mean()) if good.numel() else float("nan")
+        metrics[f"reward/{name}/std"] = float(good.std()) if good.numel() > 1 else 0.0
     scores = torch.stack(columns, dim=1)
-    total = scores @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
-    metrics["reward/mean"] = float(total.mean())
-    metrics["reward/std"] = float(total.std())
+    failed_rows = (~torch.isfinite(scores)).any(dim=1)
+    metrics["reward/errors"] = float((~torch.isfinite(scores)).sum())
+    total = scores.nan_to_num(nan=0.0) @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
+    kept = total if cfg.reward.on_error == "zero" else total[~failed_rows]
+    metrics["reward/mean"] = float(kept.mean()) if kept.numel() else float("nan")
+    metrics["reward/std"] = float(kept.std()) if kept.numel() > 1 else 0.0
     return scores, metrics
 
 
 def compute_advantages(cfg: FlowConfig, scores: torch.Tensor) -> torch.Tensor:
-    """[N] advantages from [N, K] rewards: weighted sum then per-prompt normalisation, or GDPO."""
+    """[N] advantages from [N, K] rewards: weighted sum then per-prompt normalisation, or GDPO.
+    Failed entries (NaN, see `score_images`) count 0 with `reward.on_error=zero`; with `drop`
+    their images get advantage 0 and stay out of every statistic."""
     a, G = cfg.algo, cfg.sample.group_size
+    valid = torch.isfinite(scores).all(dim=1)
+    if cfg.reward.on_error == "zero":
+        valid = torch.ones_like(valid)
+    scores = scores.nan_to_num(nan=0.0)
     if cfg.reward.combine == "gdpo":
         from mmrl.algos.advantages import get_advantage_estimator
 
-        adv = get_advantage_estimator("gdpo")(scores, G, eps=a.adv_eps, weights=list(cfg.reward.weights))
-        return adv.clamp(-a.adv_clip_max, a.adv_clip_max)
+        adv = get_advantage_estimator("gdpo")(
+            scores, G, eps=a.adv_eps, weights=list(cfg.reward.weights), valid=valid
+        )
+        return adv.clamp(-a.adv_clip_max, a.adv_clip_max) * valid
     total = scores @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
-    return flow_grpo_advantages(total, G, global_std=a.global_std, eps=a.adv_eps, clip=a.adv_clip_max)
+    if bool(valid.all()):
+        return flow_grpo_advantages(total, G, global_std=a.global_std, eps=a.adv_eps, clip=a.adv_clip_max)
+    adv = torch.zeros_like(total)
+    if valid.any():
+        group_ids = torch.arange(total.numel()) // G
+        adv[valid] = flow_grpo_advantages(
+            total[valid],
+            global_std=a.global_std,
+            eps=a.adv_eps,
+            clip=a.adv_clip_max,
+            group_ids=group_ids[valid],
+        )
+    return adv
 
 
 def choose_trained_steps(sde_steps: list[int], fraction: float, gen: torch.Generator) -> list[int]:
