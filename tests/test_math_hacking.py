@@ -106,7 +106,7 @@ def test_boxed_contents_is_linear_on_hostile_input():
         ("3", "<answer>$3$</answer>", 1.0),
         ("3", "\\boxed{3} or \\boxed{4}", 0.0),  # boxed="all": the set {3, 4}
         ("\\frac{1}{2}", "\\boxed{0.5}", 1.0),
-        ("3", "\\boxed{5}}", 0.0),  # V-Triune credits this (1.0); mmrl's brace guard does not
+        ("5", "\\boxed{5}}", 0.0),  # V-Triune credits this (1.0); mmrl's brace guard does not
     ],
 )
 def test_vtriune_style_accuracy(gold, response, accuracy):
