@@ -212,6 +212,12 @@ def test_clients_in_allow_networks_need_no_token_and_others_still_do(server):
         assert judge.status_code == 200 and judge.json()["error"] is None
     with httpx.Client(base_url=server.url, timeout=60) as other:
         assert other.post("/get_reward", json=body).status_code == 401
+    # The refusal is in the server's own log too, with its reason (clients such as V-Triune's
+    # only see their retries fail).
+    deadline = time.monotonic() + WAIT_S
+    while "refused with 401" not in server.log_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "/get_reward refused with 401" in server.log_text() and "missing bearer token" in server.log_text()
 
 
 def test_allow_networks_without_a_token_may_bind_beyond_loopback_and_refuses_other_addresses():

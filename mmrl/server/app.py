@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import collections
 import contextlib
 import json
 import logging
@@ -457,6 +458,8 @@ class RewardEndpoints:
         self.cfg = endpoints.cfg
         self.auth = Authenticator(self.cfg.token, self.cfg.query_token, self.cfg.allow_networks)
         self.guard = endpoints.guard
+        self.refused: collections.Counter[int] = collections.Counter()
+        """Requests refused for configuration reasons (401, 403, 413), by status."""
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         route = self.endpoints.routes.get(scope.get("path")) if scope["type"] == "http" else None
@@ -480,6 +483,18 @@ class RewardEndpoints:
                 extra = [(b"www-authenticate", b"Bearer")]
             elif exc.status == 413:
                 extra = [(b"connection", b"close")]
+            if exc.status in (401, 403, 413):
+                # Clients such as V-Triune's cannot survive these: say why on the server's side
+                # too (the first of each kind, then every 1000th, so a flood cannot fill the log).
+                self.refused[exc.status] += 1
+                if self.refused[exc.status] % 1000 == 1:
+                    log.warning(
+                        "%s refused with %d (%d so far): %s",
+                        scope.get("path"),
+                        exc.status,
+                        self.refused[exc.status],
+                        exc.message,
+                    )
         except Busy as exc:
             retry = self.cfg.retry_after_s
             status, payload = 429, {"detail": f"server busy: {exc}; retry after {retry}s"}
