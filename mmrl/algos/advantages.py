@@ -529,7 +529,7 @@ def pass_at_k_advantages(
     miss = _comb_ratio(n_neg - 1, n - 1, k - 1)
     a_pos = (1.0 - mean) / (std + eps)
     a_neg = (1.0 - mean - miss) / (std + eps)
-    ok = vg & (n >= k) & (n_pos > 0) & (n_neg > 0)
+    ok = vg & (n >= k) & (n_pos > 0) & (n_neg > 0) & (std > 0)  # std 0: every k-subset passes
     adv = torch.where(rg > 0.5, a_pos, a_neg)
     return torch.where(ok, adv, torch.zeros_like(adv)).float().view(-1)
 
