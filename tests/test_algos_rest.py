@@ -690,3 +690,32 @@ def test_micro_batches_of_the_new_losses_sum_with_the_minibatch_denominator():
             for r in (slice(0, 2), slice(2, 5))
         ]
         assert float(sum(parts)) == pytest.approx(full.item(), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_the_new_options_compose_in_two_steps_of_the_trainer(mmrl_cache, tmp_path):
+    """ReMax's greedy baseline, the exact KL, GMPO, the off-policy sequence mask and the
+    trust-region demonstration term, all at once, for two steps of the built-in task: each
+    reports its metrics and nothing is skipped (the learning tests are tests/test_families.py's)."""
+    import json
+
+    from mmrl.train.grpo import train
+
+    overrides = [
+        "trainer.prompts_per_step=4", "rollout.group_size=2", "trainer.total_steps=2", "trainer.eval_size=8",
+        "trainer.eval_every=2", "trainer.progress=false", "trainer.save_final=false", "trainer.threads=1",
+        "algo.advantage=remax", "algo.policy_loss=gmpo", "algo.clip_low=0.4", "algo.clip_high=0.4",
+        "algo.kl_coef=0.05", "algo.kl_estimator=full", "algo.opsm_delta=0.0", "algo.demo_loss=trust_region",
+        f"trainer.run_dir={tmp_path}",
+    ]  # fmt: skip
+    train(load_config("vision_reasoning", overrides=overrides))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["actor/skipped_steps"] == 0 and math.isfinite(r["actor/pg_loss"])
+        assert r["remax/baseline_errors"] == 0 and 0 <= r["remax/baseline_mean"] <= 1
+        assert r["demo/prompts"] == 4 and r["demo/nll"] > 0 and 0 <= r["demo/trust_frac"] <= 1
+        assert 0 <= r["opsm/masked_frac"] <= 1
+    # The first mini-batch of step 1 is the reference itself (KL 0); later ones have moved.
+    assert steps[1]["actor/ref_kl"] > 0
