@@ -95,6 +95,9 @@ class ModelConfig:
     """Freeze the vision tower (patch embedding and blocks), as V-Triune does for stability."""
     freeze_connector: bool = False
     """Freeze the vision-language connector (the merger)."""
+    freeze_router: bool = False
+    """Freeze the router (expert gate) of every mixture-of-experts layer of the language model
+    (Qwen3-VL-MoE and the like); the experts still train. An error on a dense model."""
 
 
 @dataclass
