@@ -174,7 +174,7 @@ class RewardConfig:
     update_while_scoring: bool = True
     """With `overlap`: start the update on the first mini-batch once its groups are scored,
     while later groups are still being scored. Taken when the advantage estimator is
-    group-local (grpo, dr_grpo, rloo), `trainer.mini_batches` > 1, no reward model scores the
+    group-local (grpo, dr_grpo, rloo, remax, opo, pass_at_k), `trainer.mini_batches` > 1, no reward model scores the
     batch and the update runs in this process; the update is the same as without it. One
     difference: a non-finite reward found after a mini-batch was already stepped on stops the
     update there (the step is counted as skipped) instead of skipping the whole step."""

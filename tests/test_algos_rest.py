@@ -387,6 +387,32 @@ def test_full_kl_matches_the_dense_kl_in_value_and_gradient(softcap, chunk):
         close(a, e, atol=1e-4, rtol=1e-4)  # float32 rounding of two different summation orders
 
 
+def test_full_kl_never_allocates_more_than_one_chunk_of_the_vocabulary():
+    """Forward and backward: every tensor with the vocabulary as last dim holds at most `chunk`
+    positions (the dense form would build [T, V] for each model, and softmax copies of both)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not any(r.alias_info is not None for r in func._schema.returns):  # views allocate nothing
+                self.shapes += [tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out])
+                                if isinstance(t, torch.Tensor)]  # fmt: skip
+            return out
+
+    T, H, V, chunk = 40, 8, 301, 3
+    h = torch.randn(T, H, requires_grad=True)
+    w = torch.randn(V, H, requires_grad=True)
+    with Shapes() as record:
+        head_full_kl(h, w, torch.randn(T, H), torch.randn(V, H), None, 1.0, chunk=chunk).sum().backward()
+    vocab_sized = [s for s in record.shapes if s and s[-1] == V and s != (V, H)]
+    assert vocab_sized and max(torch.Size(s).numel() for s in vocab_sized) <= chunk * V
+
+
 def test_full_kl_is_zero_against_itself_and_checks_its_inputs():
     g = torch.Generator().manual_seed(1)
     h = torch.randn(3, 4, generator=g, requires_grad=True)
