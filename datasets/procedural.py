@@ -99,6 +99,7 @@ def make_samples(
                 extra_info={
                     "id": f"{kind.task}/{kind.name}/{split}/{seed}/{i}",
                     "reference": drawn.reference,
+                    "demonstration": drawn.reference,  # a reference solution (`algo.demo_loss`)
                     **drawn.details,
                 },
             )

@@ -79,6 +79,12 @@ def sample_from_record(
         raise fail("extra_info", f"must be an object, got {type(extra).__name__}")
     if record_id is None:
         raise fail("extra_info.id", "missing (every sample needs a unique id)")
+    demonstration = extra.get("demonstration")
+    if demonstration is not None and (not isinstance(demonstration, str) or not demonstration):
+        raise fail(
+            "extra_info.demonstration",
+            f"must be a non-empty string (a reference response), got {type(demonstration).__name__}",
+        )
 
     prompt = _check_prompt(record["prompt"], fail)
     n_chars = sum(

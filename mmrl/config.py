@@ -95,6 +95,9 @@ class ModelConfig:
     """Freeze the vision tower (patch embedding and blocks), as V-Triune does for stability."""
     freeze_connector: bool = False
     """Freeze the vision-language connector (the merger)."""
+    freeze_router: bool = False
+    """Freeze the router (expert gate) of every mixture-of-experts layer of the language model
+    (Qwen3-VL-MoE and the like); the experts still train. An error on a dense model."""
 
 
 @dataclass
@@ -171,7 +174,7 @@ class RewardConfig:
     update_while_scoring: bool = True
     """With `overlap`: start the update on the first mini-batch once its groups are scored,
     while later groups are still being scored. Taken when the advantage estimator is
-    group-local (grpo, dr_grpo, rloo), `trainer.mini_batches` > 1, no reward model scores the
+    group-local (grpo, dr_grpo, rloo, remax, opo, pass_at_k), `trainer.mini_batches` > 1, no reward model scores the
     batch and the update runs in this process; the update is the same as without it. One
     difference: a non-finite reward found after a mini-batch was already stepped on stops the
     update there (the step is counted as skipped) instead of skipping the whole step."""
@@ -194,7 +197,9 @@ class AlgoConfig:
     # -- advantages --
     advantage: str = "grpo"
     """Advantage estimator: grpo, dr_grpo (no std division), rloo, reinforce_pp (batch
-    normalisation), reinforce_pp_baseline (group mean, then batch normalisation), gdpo."""
+    normalisation), reinforce_pp_baseline (group mean, then batch normalisation), gdpo, remax
+    (a greedy response's reward as baseline), opo (length-weighted group baseline), gpg
+    (group mean, rescaled by the share of informative rows), pass_at_k (optimises pass@k)."""
     adv_eps: float = 1e-6
     """Added to standard deviations before dividing."""
     adv_clip: float = 0.0
@@ -203,11 +208,25 @@ class AlgoConfig:
     """GDPO: the reward components normalised separately within each group, then summed."""
     gdpo_weights: list[float] = field(default_factory=list)
     """GDPO: one weight per component (empty: all 1)."""
+    gdpo_batch_norm: str = "mean_std"
+    """GDPO's last step over the batch: `mean_std` (centre and scale, the paper), `std` (scale
+    by the batch std only) or `none`."""
+    passk_k: int = 4
+    """pass_at_k: the k of pass@k (1 <= k <= rollout.group_size; k = 1 is GRPO)."""
     # -- policy loss --
     policy_loss: str = "ppo"
     """ppo (clip-higher, optional dual-clip), gspo (sequence-level ratio), cispo (clipped,
-    stop-gradient importance weight times log-prob), clip_cov or kl_cov (Cui et al. 2025: no
-    gradient for / a KL penalty on the tokens of highest log-prob/advantage covariance)."""
+    stop-gradient importance weight times log-prob), cispo_seq (the same with the sequence
+    ratio), clip_cov or kl_cov (Cui et al. 2025: no gradient for / a KL penalty on the tokens of
+    highest log-prob/advantage covariance), gmpo (geometric mean of token ratios), sapo (soft
+    sigmoid gate instead of the clip), gpg (plain -A log pi)."""
+    sapo_tau_pos: float = 1.0
+    """sapo: gate temperature of positive-advantage tokens (the paper's 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """sapo: gate temperature of the others (the paper's 1.05: they are damped faster)."""
+    opsm_delta: float | None = None
+    """Off-policy sequence mask (DeepSeek-V3.2): leave out of the loss every negative-advantage
+    response whose mean log(pi_rollout / pi_current) exceeds this (e.g. 0.5); None: off."""
     loss_agg: str = "token_mean"
     """token_mean, seq_mean_token_mean, or seq_mean_token_sum_norm (Dr.GRPO: token sums over a
     constant, rollout.max_new_tokens)."""
@@ -222,7 +241,9 @@ class AlgoConfig:
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (0: no reference model is kept)."""
     kl_estimator: str = "k3"
-    """KL estimator in the loss: k1, k2 or k3 (Schulman's unbiased, non-negative one)."""
+    """KL estimator in the loss: k1, k2, k3 (Schulman's unbiased, non-negative one), abs,
+    k1+ / k3+ (their value with k2's gradient, veRL's straight-through), k2+ (= k2), or full (the
+    exact KL over the vocabulary from both models' distributions, chunked)."""
     kl_in_reward: bool = False
     """Subtract kl_coef * sum_t k1 from each response's reward instead of adding KL to the loss."""
     # -- other loss terms --
@@ -288,6 +309,17 @@ class AlgoConfig:
     """Scale of the overlong punishment (a reward of -overlong_penalty at the limit)."""
     mask_truncated: bool = False
     """Leave responses that hit the length limit out of the loss (overlong filtering)."""
+    # -- learning from demonstrations (mmrl.algos.demonstrations) --
+    demo_loss: str = "off"
+    """A supervised term on each prompt's demonstration (`extra_info.demonstration`, a reference
+    response) added to the RL loss: off, nll (plain negative log-likelihood, as LUFFY / SRFT mix
+    in) or trust_region (TRAPO's trust-region SFT: tokens below demo_alpha probability get a
+    damped gradient)."""
+    demo_coef: float = 0.1
+    """Weight of the demonstration term (its token mean) in the loss."""
+    demo_alpha: float = 0.1
+    """trust_region: the probability below which a demonstration token's gradient is scaled by
+    p / demo_alpha (TRAPO's alpha, 0.1)."""
 
 
 @dataclass
@@ -469,15 +501,13 @@ class Config:
                 "trainer.mini_batches must divide prompts_per_step * group_size",
             ),
             (
-                0 <= self.algo.clip_low and (self.algo.clip_low < 1 or self.algo.policy_loss == "cispo"),
-                "algo.clip_low must be in [0, 1) (>= 1 only with algo.policy_loss=cispo: no lower bound)",
+                0 <= self.algo.clip_low
+                and (self.algo.clip_low < 1 or self.algo.policy_loss in ("cispo", "cispo_seq")),
+                "algo.clip_low must be in [0, 1) (>= 1 only with algo.policy_loss=cispo or cispo_seq: no "
+                "lower bound)",
             ),
             (self.algo.clip_high >= 0, "algo.clip_high must be >= 0"),
-            (self.algo.kl_estimator in ("k1", "k2", "k3"), "algo.kl_estimator must be k1, k2 or k3"),
-            (
-                self.algo.policy_loss in ("ppo", "gspo", "cispo", "clip_cov", "kl_cov"),
-                "algo.policy_loss must be ppo, gspo, cispo, clip_cov or kl_cov",
-            ),
+            *self._family_checks(),
             *self._stability_checks(),
             (
                 self.algo.loss_agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
@@ -583,6 +613,70 @@ class Config:
             if not ok:
                 raise ValueError(f"invalid config: {message}")
 
+    def _family_checks(self) -> list[tuple[bool, str]]:
+        """Checks of the estimator, loss and KL names (from their registries) and of the fields
+        of the rest of the family (remax, pass_at_k, gdpo, sapo, OPSM, full KL, demonstrations)."""
+        from mmrl.algos.advantages import GDPO_BATCH_NORMS
+        from mmrl.algos.kl import KL_ESTIMATORS
+        from mmrl.algos.losses import NO_DUAL_CLIP, POLICY_LOSSES
+
+        a, local = self.algo, self.trainer.backend == "local"
+        return [
+            (
+                a.kl_estimator in KL_ESTIMATORS,
+                f"algo.kl_estimator must be one of {', '.join(KL_ESTIMATORS)}, got {a.kl_estimator!r}",
+            ),
+            (
+                a.policy_loss in POLICY_LOSSES,
+                f"algo.policy_loss must be one of {', '.join(sorted(POLICY_LOSSES))}, got {a.policy_loss!r}",
+            ),
+            (
+                a.policy_loss not in NO_DUAL_CLIP or a.clip_dual == 0,
+                f"algo.clip_dual does not apply to {a.policy_loss} (set it to 0)",
+            ),
+            (
+                a.gdpo_batch_norm in GDPO_BATCH_NORMS,
+                f"algo.gdpo_batch_norm must be one of {', '.join(GDPO_BATCH_NORMS)}",
+            ),
+            (
+                a.advantage != "pass_at_k" or 1 <= a.passk_k <= self.rollout.group_size,
+                "algo.passk_k must be in [1, rollout.group_size] (a group must hold k responses)",
+            ),
+            (
+                a.advantage != "pass_at_k" or (a.overlong_buffer == 0 and not a.kl_in_reward),
+                "algo.advantage=pass_at_k needs binary rewards: no algo.overlong_buffer, no algo.kl_in_reward",
+            ),
+            (a.advantage != "remax" or local, "algo.advantage=remax needs trainer.backend=local"),
+            (
+                a.sapo_tau_pos > 0 and a.sapo_tau_neg > 0,
+                "algo.sapo_tau_pos and algo.sapo_tau_neg must be > 0",
+            ),
+            (a.opsm_delta is None or a.opsm_delta >= 0, "algo.opsm_delta must be >= 0 (or null: off)"),
+            (
+                a.kl_estimator != "full" or not a.kl_in_reward,
+                "algo.kl_estimator=full is a loss term: it needs algo.kl_in_reward=false",
+            ),
+            (
+                a.kl_estimator != "full" or a.kl_coef == 0 or local,
+                "algo.kl_estimator=full needs trainer.backend=local (a reference pass in the update)",
+            ),
+            (
+                a.kl_estimator != "full" or a.kl_coef == 0 or not self.model.reference_on_cpu,
+                "algo.kl_estimator=full runs the reference in every micro-batch: it needs "
+                "model.reference_on_cpu=false",
+            ),
+            (
+                a.demo_loss in ("off", "nll", "trust_region"),
+                "algo.demo_loss must be off, nll or trust_region",
+            ),
+            (a.demo_coef >= 0, "algo.demo_coef must be >= 0"),
+            (0 < a.demo_alpha <= 1, "algo.demo_alpha must be in (0, 1]"),
+            (
+                a.demo_loss == "off" or local,
+                "algo.demo_loss needs trainer.backend=local (a demonstration pass in the update)",
+            ),
+        ]
+
     def _stability_checks(self) -> list[tuple[bool, str]]:
         """Checks of the stability fields of `algo` (mmrl.algos.stability)."""
         a = self.algo
@@ -615,10 +709,6 @@ class Config:
             (0 < a.cov_ratio <= 1, "algo.cov_ratio must be in (0, 1]"),
             (a.clip_cov_lb < a.clip_cov_ub, "algo.clip_cov_lb must be < algo.clip_cov_ub"),
             (a.kl_cov_coef >= 0, "algo.kl_cov_coef must be >= 0"),
-            (
-                a.policy_loss not in ("clip_cov", "kl_cov") or a.clip_dual == 0,
-                "algo.clip_dual does not apply to clip_cov / kl_cov (set it to 0)",
-            ),
             (a.entropy_target >= 0, "algo.entropy_target must be >= 0 (0: off)"),
             (a.entropy_coef_delta >= 0, "algo.entropy_coef_delta must be >= 0"),
             (

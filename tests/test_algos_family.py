@@ -23,8 +23,10 @@ from mmrl.algos.losses import (
 )
 from mmrl.algos.tis import tis_weights
 
-ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gdpo"]
-LOSSES = ["ppo", "gspo", "cispo"]
+ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gdpo", "opo", "gpg"]
+# Checked in tests/test_algos_rest.py: remax needs a greedy baseline, pass_at_k binary rewards.
+OTHER_ESTIMATORS = ["remax", "pass_at_k"]
+LOSSES = ["ppo", "gspo", "cispo", "cispo_seq", "gmpo", "sapo", "gpg"]
 # Two prompts, G = 4: group 0 is [1, 0, 0, 0], group 1 is [1, 1, 0, 0].
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
 
@@ -38,7 +40,7 @@ def adv(name: str, rewards: torch.Tensor, group_size: int, **kw) -> torch.Tensor
 
 
 def test_every_estimator_is_registered_by_name():
-    assert sorted(ADVANTAGE_ESTIMATORS) == sorted(ESTIMATORS)
+    assert sorted(ADVANTAGE_ESTIMATORS) == sorted(ESTIMATORS + OTHER_ESTIMATORS)
 
 
 def test_dr_grpo_by_hand():
@@ -336,6 +338,10 @@ LOSS_KW = {
     "ppo": {"clip_low": 0.2, "clip_high": 0.28, "clip_dual": 3.0},
     "gspo": {"clip_low": 0.05, "clip_high": 0.08, "clip_dual": 3.0},
     "cispo": {"clip_low": 0.2, "clip_high": 0.28},
+    "cispo_seq": {"clip_low": 0.05, "clip_high": 0.08},
+    "gmpo": {"clip_low": 0.4, "clip_high": 0.4},
+    "sapo": {"clip_low": 0.2, "clip_high": 0.28, "tau_pos": 1.0, "tau_neg": 1.05},
+    "gpg": {"clip_low": 0.2, "clip_high": 0.28},
 }
 
 

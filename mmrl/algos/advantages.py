@@ -17,9 +17,18 @@ whose rewards are all equal, gives advantage 0 to the rows it would have normali
 | `rloo` | r_i - mean_{j != i in group} r_j |
 | `reinforce_pp` | (r_i - mean_batch) / (std_batch + eps) |
 | `reinforce_pp_baseline` | x_i = r_i - mean_group, then whitened per token over the batch (veRL's `masked_whiten`) |
-| `gdpo` | sum_k w_k grpo(r[:, k]), then batch-normalised as above |
+| `gdpo` | sum_k w_k grpo(r[:, k]), then batch-normalised as above (or only scaled, or neither) |
+| `remax` | r_i - b_i, b_i the reward of the greedy response to row i's prompt |
+| `opo` | r_i - sum_j L_j r_j / sum_j L_j over the group (L: response tokens) |
+| `gpg` | alpha (r_i - mean_group), alpha = valid rows / rows of groups with a spread |
+| `pass_at_k` | the analytic pass@k advantage of a binary reward (Chen et al. 2025) |
 
-Every std is the unbiased sample std (Bessel), as in TRL and veRL.
+Every std is the unbiased sample std (Bessel), as in TRL and veRL, except `pass_at_k`'s, which
+is the Bernoulli std sqrt(p (1 - p)) its paper derives.
+
+Estimators that need more than the rewards say so in a set and take it as a keyword argument:
+`token_counts` ([N] response tokens, `TOKEN_WEIGHTED`), `baselines` ([N] the greedy response's
+reward, `NEEDS_BASELINE`), `k` (`pass_at_k`).
 
 The first three are *group-local*: a group's advantages depend on that group's rewards alone, so
 the trainer may update on the first mini-batch's groups while later groups are still being
@@ -36,8 +45,11 @@ AdvantageFn = Callable[..., torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 GROUP_LOCAL: set[str] = set()
 """Estimators whose advantages for a group read only that group's rewards."""
-TOKEN_WEIGHTED: set[str] = {"reinforce_pp_baseline"}
-"""Estimators that take `token_counts` ([N] response tokens per row): veRL whitens them per token."""
+TOKEN_WEIGHTED: set[str] = {"reinforce_pp_baseline", "opo"}
+"""Estimators that take `token_counts` ([N] response tokens per row): veRL whitens them per
+token; OPO weighs its baseline by them."""
+NEEDS_BASELINE: set[str] = {"remax"}
+"""Estimators that take `baselines` ([N] the reward of a greedy response to each row's prompt)."""
 
 
 def register_advantage(name: str, group_local: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
@@ -260,6 +272,9 @@ def reinforce_pp_baseline_advantages(
     return torch.where(used & spread, adv, torch.zeros_like(adv))
 
 
+GDPO_BATCH_NORMS = ("mean_std", "std", "none")
+
+
 @register_advantage("gdpo")
 def gdpo_advantages(
     rewards: torch.Tensor,
@@ -268,30 +283,49 @@ def gdpo_advantages(
     eps: float = 1e-6,
     valid: torch.Tensor | None = None,
     weights: Sequence[float] | None = None,
+    batch_norm: str = "mean_std",
 ) -> torch.Tensor:
     """GDPO (Liu et al. 2026, arXiv 2601.05242): per-component group normalisation, weighted sum,
     then batch normalisation.
 
         A_i^k = (r_i^k - mean_group(r^k)) / (std_group(r^k) + eps)        for each component k
         S_i   = sum_k w_k A_i^k
-        A_i   = (S_i - mean_batch(S)) / (std_batch(S) + eps)
+        A_i   = (S_i - mean_batch(S)) / (std_batch(S) + eps)      batch_norm="mean_std" (the paper)
+        A_i   = S_i / (std_batch(S) + eps)                        batch_norm="std" (scale only)
+        A_i   = S_i                                               batch_norm="none"
 
     Normalising each reward separately keeps distinct reward combinations distinct (GRPO on the
-    summed reward collapses e.g. (1, 0) and (0, 1) into the same advantage).
+    summed reward collapses e.g. (1, 0) and (0, 1) into the same advantage). The batch step
+    keeps the advantage's scale from growing with the number of components; since every A^k
+    has group mean 0, S already has batch mean ~0 and `std` only rescales.
+
+    A component missing in a row (NaN, as `RewardBatch.component` gives it) is left out of that
+    component's group statistics only and contributes 0 to that row's sum, as TRL's nan-aware
+    `normalize_then_sum` does (nanmean / nanstd per component, nansum over components); a row
+    missing every component is unscorable: advantage 0, out of the batch statistics.
 
     Args:
-        rewards: [N, K] reward components (an [N] tensor is one component).
+        rewards: [N, K] reward components (an [N] tensor is one component); NaN = missing,
+            +-inf is an error.
         group_size: G.
         eps: added to every std.
         valid: [N] bool, applied to all components.
         weights: K weights (default all 1).
+        batch_norm: `mean_std`, `std` or `none` (see above).
 
     Returns:
         [N]; a component that is constant within a group contributes 0 for that group.
     """
-    r, v = _prepare(rewards, group_size, valid, components=True)
+    if batch_norm not in GDPO_BATCH_NORMS:
+        raise ValueError(f"gdpo: unknown batch_norm {batch_norm!r}: choose from {list(GDPO_BATCH_NORMS)}")
+    r = rewards.float()
     if r.dim() == 1:
         r = r.unsqueeze(-1)
+    present = ~torch.isnan(r)  # [N, K]: NaN marks a missing component, never an error
+    v0 = torch.ones(r.shape[0], dtype=torch.bool, device=r.device) if valid is None else valid.to(r.device)
+    if v0.shape == r.shape[:1]:
+        v0 = v0.bool() & present.any(dim=-1)  # a row with no component at all is unscorable
+    r, v = _prepare(torch.where(present, r, torch.zeros_like(r)), group_size, v0, components=True)
     k = r.shape[1]
     if weights is None:
         w = torch.ones(k, device=r.device)
@@ -300,9 +334,204 @@ def gdpo_advantages(
             raise ValueError(f"gdpo: {len(weights)} weights for {k} reward components")
         w = torch.tensor([float(x) for x in weights], device=r.device)
     per_group = r.view(-1, group_size, k).transpose(1, 2)  # [B, K, G]
-    mask = v.view(-1, 1, group_size).expand_as(per_group)
+    mask = (v.unsqueeze(-1) & present).view(-1, group_size, k).transpose(1, 2)  # [B, K, G]
     summed = (_standardise(per_group, mask, eps) * w.view(1, k, 1)).sum(dim=1)  # [B, G]
-    return _standardise(summed.view(1, -1), v.view(1, -1), eps).view(-1)
+    if batch_norm == "none":
+        return torch.where(v, summed.view(-1), torch.zeros_like(summed.view(-1)))
+    return _standardise(summed.view(1, -1), v.view(1, -1), eps, centre=batch_norm == "mean_std").view(-1)
+
+
+def _group_baseline_check(name: str, extra: torch.Tensor | None, n: int, what: str) -> torch.Tensor:
+    if extra is None:
+        raise ValueError(f"{name}: needs `{what}` ([N] = [{n}])")
+    if extra.shape != (n,):
+        raise ValueError(f"{name}: {what} must be [N] = [{n}], got shape {list(extra.shape)}")
+    return extra
+
+
+@register_advantage("remax", group_local=True)
+def remax_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+    baselines: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
+    Method for Aligning Large Language Models", arXiv 2310.10505): A_i = r_i - b_i, where b_i is
+    the reward of the greedy (argmax-decoded) response to row i's prompt, as veRL's
+    `compute_remax_outcome_advantage` with an outcome reward.
+
+    The greedy response is generated and scored for the baseline only (it is not trained on);
+    the trainer does that (`mmrl.train.baselines.greedy_baselines`). No group statistic is
+    involved, so G = 1 works (the paper's setting).
+
+    Args:
+        rewards: [N]; group_size: G (only checked); eps: unused (uniform signature);
+        valid: [N] bool; baselines: [N] the greedy reward of each row's prompt (NaN: the greedy
+            response could not be scored, and the row gets 0).
+
+    Returns:
+        [N]; 0 for invalid rows and rows without a baseline.
+    """
+    del eps
+    r, v = _prepare(rewards, group_size, valid)
+    b = _group_baseline_check("remax", baselines, r.shape[0], "baselines").to(r.device).float()
+    has = v & torch.isfinite(b)
+    return torch.where(has, r - torch.where(has, b, torch.zeros_like(b)), torch.zeros_like(r))
+
+
+@register_advantage("opo", group_local=True)
+def opo_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+    token_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585): the
+    length-weighted group baseline that minimises the gradient variance under exact on-policy
+    training (gradient norms grow with response length),
+
+        b = sum_j L_j r_j / sum_j L_j   over the group's valid rows,   A_i = r_i - b
+
+    with L_j the response's token count (veRL's `compute_opo_outcome_advantage`). Without
+    `token_counts` every row weighs 1 (then this is Dr.GRPO).
+
+    Args:
+        rewards: [B x G]; group_size: G; eps: unused; valid: [B x G] bool;
+        token_counts: [B x G] response tokens per row (rows with 0 tokens weigh nothing).
+
+    Returns:
+        [B x G]; 0 for invalid rows, for groups with fewer than two valid rows (veRL keeps a
+        single row's reward with baseline 0; its own length-weighted mean would give 0) and for
+        groups whose valid rewards are all equal or whose tokens sum to 0.
+    """
+    del eps
+    r, v = _prepare(rewards, group_size, valid)
+    if token_counts is None:
+        w = torch.ones_like(r)
+    else:
+        w = _group_baseline_check("opo", token_counts, r.shape[0], "token_counts").to(r.device).float()
+    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
+    wg = torch.where(vg, w.view(-1, group_size), torch.zeros_like(rg))
+    total = wg.sum(dim=1, keepdim=True)
+    baseline = (wg * rg).sum(dim=1, keepdim=True) / total.clamp(min=1e-12)
+    ok = vg & _spread(rg, vg) & (total > 0)
+    return torch.where(ok, rg - baseline, torch.zeros_like(rg)).view(-1)
+
+
+def _spread(grouped: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1] True where a group has at least two valid rows and they are not all equal."""
+    hi = torch.where(mask, grouped, torch.full_like(grouped, -torch.inf)).amax(dim=-1, keepdim=True)
+    lo = torch.where(mask, grouped, torch.full_like(grouped, torch.inf)).amin(dim=-1, keepdim=True)
+    return (mask.sum(dim=-1, keepdim=True) >= 2) & (hi > lo)
+
+
+@register_advantage("gpg")
+def gpg_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+    Reasoning", arXiv 2504.02546): group-mean advantages (F_norm = 1, no std division) scaled by
+    the paper's accurate-gradient-estimation factor,
+
+        A_i   = alpha (r_i - mean_group(r))
+        alpha = B / (B - M)
+
+    with B the valid responses of the batch and M those in groups with no reward spread (all
+    equal, or a single valid row): they carry no gradient, and the batch's mean gradient would
+    otherwise be diluted by them. Pair it with the `gpg` policy loss (-A log pi).
+
+    veRL's `compute_gpg_outcome_advantage` computes alpha as N / count_nonzero(rewards) (rows
+    with a non-zero reward), which equals the paper's B / (B - M) only when exactly the
+    zero-reward rows are the ones in no-spread groups; this follows the paper.
+
+    Args:
+        rewards: [B x G]; group_size: G; eps: unused; valid: [B x G] bool.
+
+    Returns:
+        [B x G]; all 0 when no group has a spread. Not group-local (alpha reads the batch).
+    """
+    del eps
+    r, v = _prepare(rewards, group_size, valid)
+    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
+    spread = _spread(rg, vg)  # [B, 1]
+    n_valid = vg.sum()
+    n_signal = (vg & spread).sum()
+    if n_signal == 0:
+        return torch.zeros_like(r)
+    alpha = n_valid.float() / n_signal.float()
+    return (alpha * _standardise(rg, vg, 0.0, scale=False)).view(-1)
+
+
+def _comb_ratio(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+    """C(a, k) / C(b, k) elementwise for integer-valued a <= b, b >= k (0 when a < k), float64."""
+    out = torch.ones_like(a, dtype=torch.float64)
+    for i in range(k):
+        out = out * ((a - i).clamp(min=0) / (b - i).clamp(min=1))
+    return out
+
+
+@register_advantage("pass_at_k", group_local=True)
+def pass_at_k_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+    k: int = 4,
+) -> torch.Tensor:
+    """Pass@k advantages in closed form (Chen et al. 2025, "Pass@k Training for Adaptively
+    Balancing Exploration and Exploitation of Large Reasoning Models", arXiv 2508.10751, the
+    "analytical derivation"): the exact expectation over every k-subset of the group of the
+    pass@k group reward (1 if any of its k responses is correct), so no subsets are sampled.
+
+    With n valid responses of which n_neg are wrong (reward 0) and n_pos right (reward 1):
+
+        R   = 1 - C(n_neg, k) / C(n, k)                         mean pass@k over k-subsets
+        s   = sqrt(R (1 - R))                                   its (Bernoulli) std
+        A_+ = (1 - R) / s                                       every subset with a right one passes
+        A_- = (1 - R - C(n_neg - 1, k - 1) / C(n - 1, k - 1)) / s
+
+    A_- uses the chance that a subset holding this wrong response holds no right one. The
+    advantages of a group sum to 0, and k = 1 is GRPO with the population std sqrt(p (1 - p)).
+
+    Args:
+        rewards: [B x G] binary rewards (0 or 1; anything else is an error); group_size: G;
+        eps: added to s; valid: [B x G] bool; k: 1 <= k (a group with fewer than k valid rows
+            gets 0).
+
+    Returns:
+        [B x G] float32; 0 for invalid rows and for groups all right, all wrong or too small.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"pass_at_k: k must be a positive integer, got {k!r}")
+    r, v = _prepare(rewards, group_size, valid)
+    bad = (v & (r != 0) & (r != 1)).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(
+            f"pass_at_k needs binary rewards (0 or 1): rows {bad[:10].tolist()} have "
+            f"{r[bad[:10]].tolist()} (use an accuracy-only reward, format_ratio 0, no shaping)"
+        )
+    rg, vg = r.view(-1, group_size).double(), v.view(-1, group_size)
+    n = vg.sum(dim=1, keepdim=True).double()
+    n_pos = torch.where(vg, rg, torch.zeros_like(rg)).sum(dim=1, keepdim=True)
+    n_neg = n - n_pos
+    mean = 1.0 - _comb_ratio(n_neg, n, k)
+    std = (mean * (1.0 - mean)).clamp(min=0).sqrt()
+    miss = _comb_ratio(n_neg - 1, n - 1, k - 1)
+    a_pos = (1.0 - mean) / (std + eps)
+    a_neg = (1.0 - mean - miss) / (std + eps)
+    ok = vg & (n >= k) & (n_pos > 0) & (n_neg > 0) & (std > 0)  # std 0: every k-subset passes
+    adv = torch.where(rg > 0.5, a_pos, a_neg)
+    return torch.where(ok, adv, torch.zeros_like(adv)).float().view(-1)
 
 
 def clip_advantages(advantages: torch.Tensor, max_abs: float | None) -> torch.Tensor:

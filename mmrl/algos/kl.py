@@ -4,6 +4,18 @@ With log-ratio x = log pi(a) - log pi_ref(a) for a ~ pi:
     k1 = x                      unbiased, can be negative
     k2 = x^2 / 2                biased, low variance
     k3 = (e^{-x} - 1) + x       unbiased and always >= 0 (clamped to <= 10 as veRL does)
+    abs = |x|                   veRL's `abs`
+    k1+, k3+                    the value of k1 / k3 with the gradient of k2 (straight-through:
+                                k2 - sg(k2) + sg(k)), veRL's "+" names; k2+ is k2 itself
+    full                        the exact KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v))
+                                at each position, over the whole vocabulary; it needs both models'
+                                distributions, not two log-probs, and is computed from their
+                                final hidden states by `mmrl.algos.logprobs.head_full_kl`
+                                (chunked: memory bounded by a few [chunk, V] tensors)
+
+The straight-through forms exist because, in the loss, k2's gradient is the one that follows
+KL(pi || pi_ref) on-policy (below), while k1 / k3 give the better value to log (k1 unbiased, k3
+unbiased and non-negative); veRL pairs the two (its `kl_penalty`, PR #2953).
 
 Where the KL goes (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation
 for RL"; Zhang et al. 2025, "On the design of KL-regularized policy gradient algorithms"):
@@ -25,7 +37,8 @@ import torch
 
 from mmrl.algos.losses import aggregate
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k1+", "k2+", "k3+", "abs", "full")
+"""Names `algo.kl_estimator` accepts; `full` is computed from distributions, not by `kl_estimate`."""
 K3_EXPONENT_CLAMP = 20.0
 """|ref - logp| is clamped to this before the exponential (veRL's `low_var_kl`)."""
 K3_VALUE_CLAMP = 10.0
@@ -33,19 +46,31 @@ K3_VALUE_CLAMP = 10.0
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate; inputs and output [N, R]."""
+    """Per-token KL(pi || pi_ref) estimate from the two log-probs of the sampled token; inputs
+    and output [N, R]. `full` is not computed here (it needs the distributions)."""
     log_ratio = logprobs - ref_logprobs
+    if estimator.endswith("+") and estimator != "k2+":
+        value = kl_estimate(logprobs, ref_logprobs, estimator[:-1])
+        k2 = 0.5 * log_ratio.square()
+        return k2 - k2.detach() + value.detach()  # the value of k1 / k3, the gradient of k2
     if estimator == "k1":
         return log_ratio
-    if estimator == "k2":
+    if estimator in ("k2", "k2+"):
         return 0.5 * log_ratio.square()
+    if estimator == "abs":
+        return log_ratio.abs()
+    if estimator == "full":
+        raise ValueError(
+            "kl estimator 'full' needs both models' distributions, not two log-probs: use "
+            "mmrl.algos.logprobs.head_full_kl (the trainer does with algo.kl_estimator=full)"
+        )
     if estimator == "k3":
         # veRL's `low_var_kl`: the exponent is clamped to +-20 (no overflow) and the value to
         # +-10, which also bounds the gradient: a token with ref - logp > ~2.53 (k3 > 10) gets
         # none, where the unclamped value's would be 1 - e^(ref - logp) (-53.6 at 4, ~-5e8 at 20).
         kl = (-log_ratio).clamp(min=-K3_EXPONENT_CLAMP, max=K3_EXPONENT_CLAMP)
         return (torch.expm1(kl) - kl).clamp(min=-K3_VALUE_CLAMP, max=K3_VALUE_CLAMP)
-    raise ValueError(f"unknown KL estimator {estimator!r}: choose from k1, k2, k3")
+    raise ValueError(f"unknown KL estimator {estimator!r}: choose from {', '.join(KL_ESTIMATORS)}")
 
 
 def kl_penalized_rewards(

@@ -254,3 +254,137 @@ def module_head_logprobs(
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty
     return torch.cat(logps), torch.cat(entropies)
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact per-position KL(pi || pi_ref) over the vocabulary, chunked like the log-probs.
+
+
+class _ChunkedHeadFullKL(torch.autograd.Function):
+    """KL(pi || pi_ref) [T] at each position, pi = softmax(mask(head(hidden)) / T) and pi_ref the
+    same of the reference's hidden states and head; gradients flow to the policy only.
+
+    Forward keeps the inputs; backward recomputes each chunk's two distributions, with
+    d KL / d s_j = p_j (log p_j - log q_j - KL) for the tempered policy logits s.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, ref_hidden, ref_weight, ref_bias, blocked, temperature, softcap, chunk,
+        compute_dtype,
+    ):  # fmt: skip
+        T = hidden.shape[0]
+        kl = torch.empty(T, dtype=torch.float32, device=hidden.device)
+        w, b = _cast(weight, compute_dtype), _cast(bias, compute_dtype)
+        rw, rb = _cast(ref_weight, compute_dtype), _cast(ref_bias, compute_dtype)
+        for start in range(0, T, chunk):
+            end = min(start + chunk, T)
+            log_p, _ = _chunk_log_softmax(hidden[start:end], w, b, blocked, temperature, softcap)
+            log_q, _ = _chunk_log_softmax(ref_hidden[start:end], rw, rb, blocked, temperature, softcap)
+            # p (log p - log q) in log q's buffer. Blocked ids have p = q = 0 and log p = log q =
+            # -inf: (-inf) - (-inf) = nan, times p = 0, set to 0.
+            kl[start:end] = log_q.neg_().add_(log_p).mul_(log_p.exp_()).nan_to_num_(nan=0.0).sum(-1)
+            del log_p, log_q
+        ctx.save_for_backward(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, blocked, kl)
+        ctx.temperature, ctx.softcap, ctx.chunk, ctx.compute_dtype = (
+            temperature,
+            softcap,
+            chunk,
+            compute_dtype,
+        )
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        hidden, weight, bias, ref_hidden, ref_weight, ref_bias, blocked, kl = ctx.saved_tensors
+        temperature, softcap, chunk = ctx.temperature, ctx.softcap, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w, b = _cast(weight, ctx.compute_dtype), _cast(bias, ctx.compute_dtype)
+        rw, rb = _cast(ref_weight, ctx.compute_dtype), _cast(ref_bias, ctx.compute_dtype)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            h = hidden[start:end]
+            log_p, factor = _chunk_log_softmax(h, w, b, blocked, temperature, softcap, softcap_grad=True)
+            g, _ = _chunk_log_softmax(ref_hidden[start:end], rw, rb, blocked, temperature, softcap)
+            # g = p (log p - log q - KL) * grad / T, built in log q's buffer; blocked ids give
+            # 0 * nan there, set to 0.
+            g.neg_().add_(log_p).sub_(kl[start:end, None]).mul_(log_p.exp_()).nan_to_num_(nan=0.0)
+            del log_p
+            g.mul_(grad_kl[start:end, None]).div_(temperature)
+            if factor is not None:
+                g.mul_(factor)
+                del factor
+            if need_h:
+                grad_h[start:end] = (g.to(w.dtype) @ w).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(g.t(), h.to(torch.float32))
+            if need_b:
+                grad_b += g.sum(0)
+            del g
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            *([None] * 8),
+        )
+
+
+def head_full_kl(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ref_hidden: torch.Tensor,
+    ref_weight: torch.Tensor,
+    blocked: torch.Tensor | None,
+    temperature: float,
+    bias: torch.Tensor | None = None,
+    ref_bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """The exact KL(pi || pi_ref) at each position, summed over the whole vocabulary, in chunks.
+
+        KL_t = sum_v pi_t(v) (log pi_t(v) - log pi_ref,t(v))
+
+    with pi_t = softmax(mask(softcap(hidden_t W^T + b)) / temperature) and pi_ref,t the same of
+    the reference's `ref_hidden` and head (same mask and temperature). This is veRL's `full`
+    KL mode, which it leaves unimplemented because it would need the [N, R, V] logits of both
+    models; here neither exists: one chunk of positions is computed at a time, forward and
+    backward (about four [chunk, V] float32 tensors at a time).
+
+    Args:
+        hidden: [T, H] the policy's final hidden states at the positions (with grad).
+        weight: [V, H] the policy's LM head (bias [V] optional).
+        ref_hidden: [T, H] the reference's hidden states at the same positions (no grad).
+        ref_weight: [V, H] the reference's LM head (ref_bias [V] optional).
+        blocked: [V] bool ids removed from both distributions, or None.
+        temperature: > 0.
+        softcap: final-logit soft-capping (both models), or None.
+        chunk: positions per chunk; default half of `chunk_positions(V)` (two distributions).
+
+    Returns:
+        [T] float32 >= 0 (to rounding), differentiable in `hidden`, `weight` and `bias` only.
+    """
+    if hidden.shape != ref_hidden.shape:
+        raise ValueError(f"hidden {list(hidden.shape)} and ref_hidden {list(ref_hidden.shape)} must match")
+    V = weight.shape[0]
+    if ref_weight.shape[0] != V:
+        raise ValueError(
+            f"policy and reference heads have different vocabularies ({V} vs {ref_weight.shape[0]})"
+        )
+    if blocked is None:
+        blocked = torch.zeros(V, dtype=torch.bool, device=weight.device)
+    blocked = blocked[:V].to(weight.device)
+    chunk = chunk or max(1, chunk_positions(V) // 2)
+    device_type = weight.device.type
+    compute_dtype = weight.dtype
+    if device_type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    with torch.autocast(device_type, enabled=False) if device_type != "meta" else _nullcontext():
+        return _ChunkedHeadFullKL.apply(
+            hidden, weight, bias, ref_hidden.detach(), ref_weight.detach(),
+            None if ref_bias is None else ref_bias.detach(), blocked, float(temperature), softcap, chunk,
+            compute_dtype,
+        )  # fmt: skip

@@ -23,9 +23,13 @@ and returns metrics over the masked tokens: `clip_frac_low`, `clip_frac_high`,
 | `cispo` | -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi |
 | `clip_cov` | PPO, with a random few high-covariance tokens (cov(log pi, A) in (lb, ub)) given no gradient |
 | `kl_cov` | -A r, plus kl_coef abs(log r) on the top-k covariance tokens |
+| `cispo_seq` | -sg(clip(s_i, 1 - eps_low, 1 + eps_high)) A log pi, s_i the geometric-mean sequence ratio |
+| `gmpo` | -A exp(mean_t clip_A(log r_t)): the geometric mean of token ratios, clipped per token in log space |
+| `sapo` | -A f(r), f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos (A > 0) or tau_neg |
+| `gpg` | -A log pi (plain policy gradient, no ratio) |
 
-`clip_cov` takes `cov_ratio`, `cov_lb`, `cov_ub`; `kl_cov` takes `cov_ratio`, `kl_coef`
-(`loss_options` gives them from `algo`).
+`clip_cov` takes `cov_ratio`, `cov_lb`, `cov_ub`; `kl_cov` takes `cov_ratio`, `kl_coef`; `sapo`
+takes `tau_pos`, `tau_neg` (`loss_options` gives them from `algo`).
 
 Aggregations (`AGGREGATIONS`, see `aggregate`): `token_mean`, `seq_mean_token_mean`,
 `seq_mean_token_sum_norm`. When a mini-batch is split into micro-batches, pass every
@@ -35,6 +39,7 @@ mini-batch loss.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -472,6 +477,204 @@ def kl_cov_loss(
     return loss, metrics
 
 
+@register_policy_loss("cispo_seq")
+def cispo_seq_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None = None,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sequence-level CISPO: CISPO's clipped, stop-gradient importance weight (MiniMax-M1, 2025)
+    taken at the sequence level, with GSPO's length-normalised sequence ratio (Zheng et al.
+    2025), as TRL computes `loss_type="cispo"` with `importance_sampling_level="sequence"`:
+
+        log s_i = (1 / |y_i|) sum_t m_t (logprobs - old_logprobs)
+        l_i,t   = -sg(clip(s_i, 1 - clip_low, 1 + clip_high)) * A_i * logprobs_t
+        loss    = aggregate(w_t l_i,t, mask, agg, denom, max_len)
+
+    Every token of a response shares one weight (no token of it is dropped, as in CISPO), so a
+    single off-policy token cannot blow up its own gradient; the weight moves with the whole
+    response's drift. TRL bounds the weight above by epsilon_high itself (ScaleRL's eps_max,
+    e.g. 5); here, as in `cispo`, the bound is 1 + clip_high. log s_i is clamped to +-20.
+
+    Metrics: `clip_frac_low` / `clip_frac_high` count tokens whose sequence weight was clipped,
+    whatever the sign of A; the ratio stats are of s_i (token-weighted).
+    """
+    _check_inputs("cispo_seq", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
+    if clip_dual is not None:
+        raise ValueError("cispo_seq: dual-clip does not apply (the importance weight is already clipped)")
+    m = mask > 0
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    with torch.no_grad():
+        log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
+        seq = log_ratio.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
+        ratio = torch.exp(seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).expand_as(logprobs)
+        is_weight = ratio.clamp(max(1.0 - clip_low, 0.0), 1.0 + clip_high)
+    lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
+    per_token = _weighted(-is_weight * adv * lp, weights)
+    loss = aggregate(per_token, mask, agg, denom, max_len)
+    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None, signed=False)
+
+
+@register_policy_loss("gmpo")
+def gmpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None = None,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673): the
+    geometric mean of the token ratios instead of their arithmetic mean, clipped per token in
+    log space, as veRL's `compute_policy_loss_geo_mean` defines it:
+
+        x_t     = logprobs - old_logprobs
+        x'_t    = sgn(A) min(sgn(A) x_t, sgn(A) clip(x_t, -clip_low, clip_high))
+        rho_i   = exp((1 / |y_i|) sum_t m_t x'_t)                      (the clipped geometric mean)
+        l_i     = -A_i rho_i,   carried by every token of response i
+        loss    = aggregate(w_t l_i, mask, agg, denom, max_len)
+
+    For A > 0 a token's log-ratio counts at most clip_high (beyond it, no gradient); for A < 0 at
+    least -clip_low. The gradient of a kept token is -A_i rho_i / |y_i| grad log pi: an outlier
+    ratio moves rho_i by its |y_i|-th root only (the paper's stability argument, which allows
+    its wider range: clip_low = clip_high = 0.4, i.e. ratios in (e^-0.4, e^0.4)).
+
+    The paper's objective is the mean over responses: `seq_mean_token_mean` (veRL averages over
+    all rows, fully masked ones included, which differs only when whole rows are masked).
+    Per-token weights multiply the per-token loss as in every other loss (veRL instead
+    multiplies l_i by the geometric mean of the weights). The mean log-ratio is clamped to +-20.
+
+    Metrics: `clip_frac_high` (x_t > clip_high with A > 0), `clip_frac_low` (x_t < -clip_low with
+    A < 0), ratio stats of rho_i (token-weighted), `clip_frac_dual` 0.
+    """
+    _check_inputs("gmpo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
+    if clip_dual is not None:
+        raise ValueError("gmpo: dual-clip does not apply (the sequence ratio is clipped per token)")
+    m = mask > 0
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    x = _masked_log_ratio(logprobs, old_logprobs, m)
+    sign = torch.sign(adv)
+    clipped = sign * torch.minimum(sign * x, sign * x.clamp(-clip_low, clip_high))
+    mean_log = (clipped * m).sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
+    rho = torch.exp(mean_log.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [N, 1]
+    per_token = _weighted((-adv * rho).expand_as(logprobs), weights)
+    loss = aggregate(per_token, mask, agg, denom, max_len)
+    with torch.no_grad():
+        n = max(int(m.sum()), 1)
+        metrics = _ratio_metrics(rho.detach().expand_as(logprobs), adv, m, math.inf, math.inf, None)
+        metrics["clip_frac_high"] = float(((x > clip_high) & (adv > 0) & m).sum()) / n
+        metrics["clip_frac_low"] = float(((x < -clip_low) & (adv < 0) & m).sum()) / n
+    return loss, metrics
+
+
+@register_policy_loss("sapo")
+def sapo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None = None,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Gao et al. 2025, Qwen, "Soft Adaptive Policy Optimization", arXiv 2511.20347): a
+    smooth, temperature-controlled gate on the token ratio in place of the hard clip, as veRL's
+    `compute_policy_loss_sapo` and TRL's `loss_type="sapo"` define it:
+
+        r_t   = exp(logprobs - old_logprobs)
+        f(r)  = (4 / tau) sigmoid(tau (r - 1)),     tau = tau_pos if A > 0 else tau_neg
+        l_t   = -A f(r_t)
+        loss  = aggregate(w_t l_t, mask, agg, denom, max_len)
+
+    d f / d log pi = 4 r sigmoid(u) (1 - sigmoid(u)), u = tau (r - 1): exactly 1 at r = 1 (the
+    on-policy gradient is PPO's), decaying smoothly as r leaves 1 instead of dropping to 0 at a
+    bound. tau_neg > tau_pos attenuates negative-advantage tokens faster (the paper's 1.05 vs
+    1.0: they are the less stable ones). The papers aggregate `seq_mean_token_mean`. clip_low /
+    clip_high do not enter the loss; the clip fractions report what PPO would have clipped.
+    """
+    _check_inputs("sapo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
+    if clip_dual is not None:
+        raise ValueError("sapo: dual-clip does not apply (the gate is already bounded by 4 / tau)")
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"sapo: tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
+    m = mask > 0
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    per_token = _weighted(-adv * gate, weights)
+    loss = aggregate(per_token, mask, agg, denom, max_len)
+    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None)
+
+
+@register_policy_loss("gpg")
+def gpg_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None = None,
+    agg: str = "token_mean",
+    denom: float | None = None,
+    weights: torch.Tensor | None = None,
+    max_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GPG's loss (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
+    Model Reasoning", arXiv 2504.02546): the plain policy gradient, no surrogate, no ratio, as
+    veRL's `compute_policy_loss_gpg`:
+
+        l_t  = -A logprobs_t
+        loss = aggregate(w_t l_t, mask, agg, denom, max_len)
+
+    On-policy its gradient equals PPO's at ratio 1; off-policy (later mini-batches, stale
+    rollouts) nothing corrects or bounds it (pair it with `algo.tis` if that matters). Pair it
+    with the `gpg` advantage estimator. clip_low / clip_high do not enter the loss; the
+    metrics report the ratio and what PPO would have clipped.
+    """
+    _check_inputs("gpg", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
+    if clip_dual is not None:
+        raise ValueError("gpg: dual-clip does not apply (the loss has no ratio)")
+    m = mask > 0
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+    with torch.no_grad():
+        ratio = torch.exp(
+            _masked_log_ratio(logprobs, old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        )
+    lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
+    per_token = _weighted(-adv * lp, weights)
+    loss = aggregate(per_token, mask, agg, denom, max_len)
+    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None)
+
+
+NO_DUAL_CLIP = frozenset({"cispo", "cispo_seq", "clip_cov", "kl_cov", "gmpo", "sapo", "gpg"})
+"""Losses that refuse `clip_dual` (it needs PPO's clipped ratio)."""
+
+
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -511,4 +714,6 @@ def loss_options(algo) -> dict[str, float]:
         return {"cov_ratio": algo.cov_ratio, "cov_lb": algo.clip_cov_lb, "cov_ub": algo.clip_cov_ub}
     if algo.policy_loss == "kl_cov":
         return {"cov_ratio": algo.cov_ratio, "kl_coef": algo.kl_cov_coef}
+    if algo.policy_loss == "sapo":
+        return {"tau_pos": algo.sapo_tau_pos, "tau_neg": algo.sapo_tau_neg}
     return {}

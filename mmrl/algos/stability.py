@@ -8,6 +8,7 @@ forking-token selection and an adaptive entropy coefficient. Pure functions over
 | `batch_normalize_weights` | divides IS weights by their batch mean (mean 1) | veRL `rollout_is_batch_normalize` |
 | `forking_token_mask` | keeps only the top-entropy ("forking") tokens | Wang et al. 2025, "Beyond the 80/20 Rule" |
 | `AdaptiveEntropyCoef` | steps the entropy coefficient towards a target entropy | He et al. 2025, "Skywork Open Reasoner 1 Technical Report" |
+| `off_policy_sequence_mask` | drops negative-advantage responses that drifted too far from the sampling policy | DeepSeek-AI 2025, "DeepSeek-V3.2" (eq. 9); TRL's `off_policy_mask_threshold` |
 
 Token-level masking (IcePop) is `mmrl.algos.tis.tis_weights(mode="band")`; Clip-Cov and KL-Cov
 are policy losses in `mmrl.algos.losses`.
@@ -125,6 +126,63 @@ def batch_normalize_weights(
         if not factor > 1e-8:
             return w, 1.0
         return w / factor, factor
+
+
+def off_policy_sequence_mask(
+    logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    delta: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The off-policy sequence mask (OPSM) of DeepSeek-V3.2 (DeepSeek-AI 2025, "DeepSeek-V3.2:
+    Pushing the Frontier of Open Large Language Models", eq. 9), as TRL's `get_off_policy_mask`:
+
+        kl_i = (1 / |y_i|) sum_t m_t (log pi_sampling(y_t) - log pi_theta(y_t))
+        M_i  = 0  if A_i < 0 and kl_i > delta,   else 1
+
+    A response the current policy has moved far away from (or that the inference engine sampled
+    from a distribution far from the trainer's) is a poor negative example: pushing its
+    probability further down mostly adds noise, so it leaves the loss. Positive-advantage
+    responses always stay. kl_i is a per-token sample estimate (k1) of the drift, computed
+    from the current log-probs (detached); use the rollout engine's log-probs as
+    `sampling_logprobs` to catch train/inference mismatch as well as the drift of earlier
+    mini-batches. Multiply the per-token loss by M (its normaliser unchanged).
+
+    Args:
+        logprobs: [N, R] current policy log-probs.
+        sampling_logprobs: [N, R] log-probs of the policy that sampled the responses.
+        advantages: [N] one per response.
+        mask: [N, R] 1 on response tokens.
+        delta: the bound (TRL suggests e.g. 0.5; >= 0).
+
+    Returns:
+        M [N] float (1 keep, 0 drop) and metrics `opsm/masked_frac` (dropped / rows with tokens)
+        and `opsm/kl_mean` (mean kl_i over rows with tokens; 0 if none). A row with no token is
+        kept.
+    """
+    if not delta >= 0:
+        raise ValueError(f"OPSM delta must be >= 0, got {delta}")
+    _check_pair(logprobs, sampling_logprobs, mask)
+    if advantages.shape != mask.shape[:1]:
+        raise ValueError(f"advantages must be [N] = [{mask.shape[0]}], got shape {list(advantages.shape)}")
+    with torch.no_grad():
+        m = mask > 0
+        x = torch.where(
+            m,
+            sampling_logprobs.float() - logprobs.detach().float(),
+            torch.zeros_like(mask, dtype=torch.float32),
+        )
+        n_tok = m.sum(dim=-1)
+        has = n_tok > 0
+        kl = x.sum(dim=-1) / n_tok.clamp(min=1)
+        drop = has & (advantages.to(kl.device) < 0) & (kl > delta)
+        rows = max(int(has.sum()), 1)
+        metrics = {
+            "opsm/masked_frac": float(drop.sum()) / rows,
+            "opsm/kl_mean": float(kl[has].mean()) if has.any() else 0.0,
+        }
+        return (~drop).float(), metrics
 
 
 def _count(frac: float, n: int) -> int:

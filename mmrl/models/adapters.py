@@ -47,13 +47,17 @@ def apply_lora(model: PreTrainedModel, cfg: Config) -> PreTrainedModel:
 
 
 def freeze_parts(model: torch.nn.Module, cfg: Config) -> None:
-    """Freeze the vision tower and/or connector as configured."""
+    """Freeze the vision tower, the connector and/or the MoE routers as configured."""
     for name, p in model.named_parameters():
         part = part_of(name)
         if (part == "vision" and cfg.model.freeze_vision) or (
             part == "connector" and cfg.model.freeze_connector
         ):
             p.requires_grad_(False)
+    if cfg.model.freeze_router:
+        from mmrl.models.moe import freeze_router
+
+        freeze_router(model)
 
 
 def param_groups(model: torch.nn.Module, cfg: Config) -> list[dict]:

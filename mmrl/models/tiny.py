@@ -30,7 +30,8 @@ class TinyVLMSpec:
     """Shape of a tiny built-in VLM. Defaults: the measured ~0.5M-parameter Qwen2-VL."""
 
     architecture: str = "qwen2_vl"
-    """`qwen2_vl`, `qwen2_5_vl` or `qwen3_vl`."""
+    """`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl` or `qwen3_vl_moe` (Qwen3-VL with a mixture-of-experts
+    language model: 4 experts, top-2 routing, experts half of `intermediate_size` wide)."""
     hidden_size: int = 128
     """Text width; also the vision merger's output width."""
     num_layers: int = 2
@@ -55,6 +56,12 @@ class TinyVLMSpec:
     """Images are resized so both sides are this many pixels (fixed token count per image)."""
 
 
+TINY_MOE_EXPERTS = 4
+"""Experts per MoE layer of the tiny `qwen3_vl_moe` (every text layer is sparse)."""
+TINY_MOE_TOP_K = 2
+"""Experts each token is routed to in the tiny `qwen3_vl_moe`."""
+
+
 def build_processor(spec: TinyVLMSpec) -> ProcessorMixin:
     """A Qwen2-VL (or Qwen3-VL) processor around the byte tokenizer, sized for `spec`."""
     tokenizer = build_byte_tokenizer()
@@ -65,7 +72,7 @@ def build_processor(spec: TinyVLMSpec) -> ProcessorMixin:
         temporal_patch_size=2,
         size={"shortest_edge": pixels, "longest_edge": pixels},
     )
-    if spec.architecture == "qwen3_vl":
+    if spec.architecture in ("qwen3_vl", "qwen3_vl_moe"):
         from transformers import Qwen3VLProcessor
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
@@ -141,7 +148,7 @@ def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
         )
         config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
         model_cls = Qwen2_5_VLForConditionalGeneration
-    elif spec.architecture == "qwen3_vl":
+    elif spec.architecture in ("qwen3_vl", "qwen3_vl_moe"):
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
         text_config["head_dim"] = head_dim
@@ -159,11 +166,24 @@ def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
             num_position_embeddings=patches_per_side * patches_per_side,
             deepstack_visual_indexes=[0],
         )
-        config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
-        model_cls = Qwen3VLForConditionalGeneration
+        if spec.architecture == "qwen3_vl_moe":
+            from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+            text_config.update(
+                num_experts=TINY_MOE_EXPERTS,
+                num_experts_per_tok=TINY_MOE_TOP_K,
+                moe_intermediate_size=max(1, spec.intermediate_size // 2),
+                decoder_sparse_step=1,
+            )
+            config = Qwen3VLMoeConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+            model_cls = Qwen3VLMoeForConditionalGeneration
+        else:
+            config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
+            model_cls = Qwen3VLForConditionalGeneration
     else:
         raise ValueError(
-            f"unknown tiny architecture {spec.architecture!r}: expected 'qwen2_vl', 'qwen2_5_vl' or 'qwen3_vl'"
+            f"unknown tiny architecture {spec.architecture!r}: expected 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl' "
+            "or 'qwen3_vl_moe'"
         )
     torch.manual_seed(seed)
     model = model_cls(config)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from mmrl.algos.logprobs import chunk_positions, head_logprobs, module_head_logprobs
+from mmrl.algos.logprobs import chunk_positions, head_full_kl, head_logprobs, module_head_logprobs
 from mmrl.train.batching import model_inputs, prompt_groups, select_rows
 from mmrl.types import RolloutBatch
 
@@ -45,12 +45,8 @@ def response_logprobs(
     """
 
     def compute(root: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = shared_prompt_hidden(root, batch) if share_prompts else None
-        if hidden is None:
-            hidden = full_hidden(root, batch)
+        h, y, mask = response_positions(root, batch, share_prompts)
         head, softcap = output_head(root)
-        mask = batch.response_mask.bool()
-        h, y = hidden[mask], batch.response_ids[mask]
         if plain_linear(head):
             token_logp, token_entropy = head_logprobs(
                 h, head.weight, y, blocked, temperature, bias=head.bias, softcap=softcap, chunk=chunk
@@ -68,6 +64,81 @@ def response_logprobs(
     if not (entropy_grad and torch.is_grad_enabled()):
         entropy = entropy.detach()
     return logprobs, entropy
+
+
+def response_positions(
+    model: torch.nn.Module, batch: RolloutBatch, share_prompts: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The final hidden states [T, H] of the T positions that predict response tokens (padding
+    dropped, row-major), those tokens [T], and the [N, R] bool mask they came from."""
+    hidden = shared_prompt_hidden(model, batch) if share_prompts else None
+    if hidden is None:
+        hidden = full_hidden(model, batch)
+    mask = batch.response_mask.bool()
+    return hidden[mask], batch.response_ids[mask], mask
+
+
+@torch.no_grad()
+def reference_hidden(
+    reference: torch.nn.Module, batch: RolloutBatch, share_prompts: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The reference's final hidden states [T, H] at the response positions (as
+    `response_positions` lays them out) and its LM head's weight and bias: what the exact KL
+    (`response_logprobs_and_full_kl`) needs of it. No gradient."""
+    h, _, _ = response_positions(reference, batch, share_prompts)
+    head, _ = output_head(reference)
+    if not plain_linear(head):
+        raise ValueError(
+            f"algo.kl_estimator=full needs a plain linear LM head on the reference, got {type(head).__name__}"
+        )
+    return h, head.weight, head.bias
+
+
+def response_logprobs_and_full_kl(
+    model: PreTrainedModel,
+    batch: RolloutBatch,
+    blocked: torch.Tensor,
+    temperature: float,
+    reference: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+    entropy_grad: bool = False,
+    share_prompts: bool = True,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`response_logprobs` (with entropy) plus the exact per-position KL(pi || pi_ref) [N, R]
+    over the vocabulary (`mmrl.algos.logprobs.head_full_kl`), from one forward of the policy
+    and the reference's hidden states (`reference_hidden` of the same batch). All three are
+    float32 with 0 at masked positions; the log-probs and the KL carry gradients."""
+
+    def compute(root: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, y, mask = response_positions(root, batch, share_prompts)
+        head, softcap = output_head(root)
+        if not plain_linear(head):
+            raise ValueError(
+                f"algo.kl_estimator=full needs a plain linear LM head on the policy, got {type(head).__name__}"
+            )
+        ref_h, ref_w, ref_b = reference
+        if ref_h.shape[0] != h.shape[0]:
+            raise ValueError(
+                f"reference hidden states for {ref_h.shape[0]} positions, the batch has {h.shape[0]}"
+            )
+        token_logp, token_entropy = head_logprobs(
+            h, head.weight, y, blocked, temperature, bias=head.bias, softcap=softcap, chunk=chunk
+        )
+        kl = head_full_kl(
+            h, head.weight, ref_h, ref_w, blocked, temperature, bias=head.bias, ref_bias=ref_b, softcap=softcap,
+            chunk=None if chunk is None else max(1, chunk // 2),
+        )  # fmt: skip
+        zeros = token_logp.new_zeros(mask.shape)
+        return (
+            zeros.masked_scatter(mask, token_logp),
+            zeros.masked_scatter(mask, token_entropy),
+            zeros.masked_scatter(mask, kl),
+        )
+
+    logprobs, entropy, kl = call_as_forward(model, compute)
+    if not (entropy_grad and torch.is_grad_enabled()):
+        entropy = entropy.detach()
+    return logprobs, entropy, kl
 
 
 def call_as_forward(model: torch.nn.Module, fn: Callable[[torch.nn.Module], Any]) -> Any:

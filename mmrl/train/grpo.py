@@ -7,7 +7,8 @@ One step (`grpo_step`):
   b. reward shaping: DAPO's overlong punishment; masking of truncated responses
   c. log-probs of the sampling policy ("old") and of the reference (a frozen copy, or the LoRA
      base model); with `algo.kl_in_reward` the KL goes into the reward here
-  d. advantages within each prompt's group (GRPO, Dr.GRPO, RLOO, REINFORCE++, GDPO)
+  d. advantages within each prompt's group (GRPO, Dr.GRPO, RLOO, REINFORCE++, GDPO, OPO,
+     pass@k, GPG; ReMax against a greedy response per prompt, `mmrl/train/baselines.py`)
   e. truncated importance sampling weights for rollout/trainer mismatch
   f. the policy update (`mmrl/train/update.py`): mini-batches, PPO / GSPO / CISPO loss
   g. metrics overall and per data source; optional step dump
@@ -35,7 +36,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mmrl.algos.advantages import GROUP_LOCAL, TOKEN_WEIGHTED, clip_advantages, get_advantage_estimator
+from mmrl.algos.advantages import (
+    GROUP_LOCAL,
+    NEEDS_BASELINE,
+    TOKEN_WEIGHTED,
+    clip_advantages,
+    get_advantage_estimator,
+)
 from mmrl.algos.dapo import informative_groups, overlong_penalty, truncation_mask
 from mmrl.algos.kl import kl_estimate, kl_penalized_rewards
 from mmrl.algos.stability import batch_normalize_weights, rejection_keep
@@ -50,6 +57,7 @@ from mmrl.rewards.placement import RewardPlacement
 from mmrl.rewards.router_bridge import score_model_rewards
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch, Router, model_reward_failed
+from mmrl.train.baselines import greedy_baselines
 from mmrl.train.batching import select_rows
 from mmrl.train.checkpoint import (
     apply_retention,
@@ -131,7 +139,7 @@ class Trainee:
         `updates_while_scoring`)."""
         return update_policy(
             cfg, self.policy, self.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights,
-            before_minibatch,
+            before_minibatch, reference=self.reference,
         )  # fmt: skip
 
     updates_while_scoring = True
@@ -518,6 +526,12 @@ def learn_from_rollouts(
     inputs = StepInputs.empty(
         len(batch), old_logprobs, ref_logprobs, tis=tis_applies(cfg), rejection=cfg.algo.rejection != "off"
     )
+    baseline_metrics: dict[str, float] = {}
+    if a.advantage in NEEDS_BASELINE:  # ReMax: a greedy response per prompt, scored (step d's input)
+        context = VerifyContext(max(step - 1, 0), cfg.trainer.total_steps)
+        inputs.baselines, baseline_metrics = greedy_baselines(
+            cfg, t.engine, lambda greedy: score_rollouts(t, greedy, context), batch
+        )
     hook = None
     if deferred is not None and pipelined_update(cfg, t, batch):
         hook = inputs.filler(cfg, batch, deferred)
@@ -584,6 +598,7 @@ def learn_from_rollouts(
     t3 = time.monotonic()
     # g. Metrics (and the step dump).
     metrics.update(rollout_metrics)
+    metrics.update(baseline_metrics)
     metrics.update(inputs.mismatch_metrics(cfg, batch))
     metrics.update(mismatch_source_metrics(cfg, batch, inputs.old, inputs.rejected))
     metrics.update(step_metrics(batch, rewards, inputs.advantages, G))
@@ -667,6 +682,8 @@ class StepInputs:
     weights: torch.Tensor | None
     rejected: torch.Tensor | None = None
     """[N] bool: responses dropped by rollout rejection (`algo.rejection`; None when off)."""
+    baselines: torch.Tensor | None = None
+    """[N] the greedy baseline reward of each row's prompt (ReMax; None otherwise)."""
 
     @classmethod
     def empty(
@@ -714,8 +731,9 @@ class StepInputs:
                 scores = kl_penalized_rewards(scores, kl, mask.float(), a.kl_coef)
         # d. Advantages within each prompt's group.
         self.advantages[rows] = compute_advantages(
-            cfg, scores, rewards, ~dropped, token_counts=mask.sum(dim=1)
-        )
+            cfg, scores, rewards, ~dropped, token_counts=mask.sum(dim=1),
+            baselines=None if self.baselines is None else self.baselines[rows],
+        )  # fmt: skip
         self.scores[rows] = scores
         self.dropped[rows] = dropped
         # e. Rollout rejection (whole responses out of the loss; their rewards stayed in their
@@ -913,24 +931,43 @@ def compute_advantages(
     rewards: RewardBatch,
     valid: torch.Tensor,
     token_counts: torch.Tensor | None = None,
+    baselines: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[N] advantages by `algo.advantage`; GDPO reads the named reward components separately;
-    token-weighted estimators (REINFORCE++-baseline) get each row's loss-token count."""
+    """[N] advantages by `algo.advantage`; GDPO reads the named reward components separately
+    (a component a row lacks is left out of that component's statistics only); token-weighted
+    estimators (REINFORCE++-baseline, OPO) get each row's loss-token count, ReMax the greedy
+    `baselines`, pass@k its k."""
     a, G = cfg.algo, cfg.rollout.group_size
     estimator = get_advantage_estimator(a.advantage)
     if a.advantage == "gdpo":
         components = torch.stack([rewards.component(name) for name in a.gdpo_components], dim=1)  # [N, K]
         components = components.to(scores.device)
-        valid = valid & ~components.isnan().any(dim=1)
-        advantages = estimator(components, G, eps=a.adv_eps, valid=valid, weights=a.gdpo_weights or None)
-    else:
-        extra = (
-            {"token_counts": token_counts}
-            if a.advantage in TOKEN_WEIGHTED and token_counts is not None
-            else {}
+        advantages = estimator(
+            components,
+            G,
+            eps=a.adv_eps,
+            valid=valid,
+            weights=a.gdpo_weights or None,
+            batch_norm=a.gdpo_batch_norm,
         )
+    else:
+        extra: dict[str, Any] = {}
+        if a.advantage in TOKEN_WEIGHTED and token_counts is not None:
+            extra["token_counts"] = token_counts
+        if a.advantage in NEEDS_BASELINE:
+            extra["baselines"] = baselines
+        if a.advantage == "pass_at_k":
+            extra["k"] = a.passk_k
         advantages = estimator(scores, G, eps=a.adv_eps, valid=None if bool(valid.all()) else valid, **extra)
     return clip_advantages(advantages, a.adv_clip or None)
+
+
+def score_rollouts(t: Trainee, batch: RolloutBatch, context: VerifyContext) -> RewardBatch:
+    """Verifier (and reward-model) rewards of a rollout batch, all at once (the greedy baseline)."""
+    rewards = t.router.score(batch.samples, batch.texts, context)
+    if t.reward_models is not None:
+        add_model_rewards(t.reward_models, batch, rewards)
+    return rewards
 
 
 def overlap_rewards(cfg: Config) -> bool:

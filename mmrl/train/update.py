@@ -1,10 +1,12 @@
 """The policy update of one step: old/reference log-probs, then mini-batched optimizer steps.
 
 `update_policy` is the loss written out: for each mini-batch, recompute log-probs, the policy
-loss chosen by `algo.policy_loss` (PPO / GSPO / CISPO) aggregated by `algo.loss_agg`, times the
-truncated importance-sampling weights if on, plus the KL to the reference, minus the entropy
-bonus; backward over micro-batches; clip; step. A non-finite loss or gradient skips the step
-(counted), never corrupts the weights.
+loss chosen by `algo.policy_loss` (PPO / GSPO / CISPO / GMPO / SAPO / ...) aggregated by
+`algo.loss_agg`, times the truncated importance-sampling weights if on (and the forking-token
+and off-policy-sequence masks), plus the KL to the reference (from two log-probs, or exact over
+the vocabulary), plus the supervised term on demonstrations, minus the entropy bonus; backward
+over micro-batches; clip; step. A non-finite loss or gradient skips the step (counted), never
+corrupts the weights.
 """
 
 from __future__ import annotations
@@ -17,16 +19,19 @@ from collections.abc import Callable
 
 import torch
 
+from mmrl.algos.demonstrations import demonstration_loss
 from mmrl.algos.kl import kl_estimate, kl_in_loss
 from mmrl.algos.logprobs import chunk_positions
 from mmrl.algos.losses import aggregate, get_policy_loss, loss_denominator, loss_options
-from mmrl.algos.stability import forking_token_mask
+from mmrl.algos.stability import forking_token_mask, off_policy_sequence_mask
 from mmrl.config import Config
 from mmrl.models.adapters import adapters_disabled
 from mmrl.models.loading import Policy
+from mmrl.models.moe import RouterStats, router_modules
 from mmrl.models.precision import model_device
 from mmrl.train.batching import select_rows
-from mmrl.train.forward import response_logprobs
+from mmrl.train.demonstrations import demonstrations
+from mmrl.train.forward import reference_hidden, response_logprobs, response_logprobs_and_full_kl
 from mmrl.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -104,10 +109,13 @@ def update_policy(
     ref_logprobs: torch.Tensor | None,
     tis_weights: torch.Tensor | None = None,
     before_minibatch: Callable[[list[int]], None] | None = None,
+    reference: torch.nn.Module | str | None = None,
 ) -> dict[str, float]:
     """`ppo_epochs` passes of `mini_batches` optimizer steps over the rollout batch.
 
     Shapes: advantages [N]; old/ref log-probs and TIS weights [N, R] (R = response width).
+    `reference` (a frozen copy or "adapters_disabled") is needed only by the exact KL
+    (`algo.kl_estimator=full`), which runs it on each micro-batch.
     `before_minibatch(rows)`, if given, is called before each mini-batch of the first epoch
     reads its rows of the batch's mask, the advantages, log-probs and weights: it may fill
     those rows in place (the trainer does, as their rewards arrive). The mini-batch's first
@@ -127,111 +135,176 @@ def update_policy(
     params = [p for g in optimizer.param_groups for p in g["params"]]
 
     chunk = logits_chunk(cfg, policy)
+    full_kl = ref_logprobs is not None and not a.kl_in_reward and a.kl_estimator == "full"
+    if full_kl and reference is None:
+        raise ValueError("algo.kl_estimator=full needs the reference model in the update")
+    G = cfg.rollout.group_size
+    demos = demonstrations(policy, batch, G) if a.demo_loss != "off" and a.demo_coef > 0 else None
 
-    def forward(sub: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(sub: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log-probs, entropy and (exact KL only) the per-token KL to the reference, [n, R]."""
         with policy.autocast():  # the backward runs outside autocast, as torch recommends
-            return response_logprobs(
+            if full_kl:
+                if reference == "adapters_disabled":
+                    with adapters_disabled(model):
+                        ref = reference_hidden(model, sub)
+                else:
+                    ref = reference_hidden(reference, sub)
+                return response_logprobs_and_full_kl(
+                    model, sub, policy.blocked, cfg.rollout.temperature, ref,
+                    entropy_grad=a.entropy_coef > 0, chunk=chunk,
+                )  # fmt: skip
+            logprobs, entropy = response_logprobs(
                 model, sub, policy.blocked, cfg.rollout.temperature,
                 with_entropy=True, entropy_grad=a.entropy_coef > 0, chunk=chunk,
             )  # fmt: skip
+            return logprobs, entropy, None
 
-    for epoch in range(cfg.trainer.ppo_epochs):
-        # The first pass keeps row order so its first mini-batch matches the old log-prob pass.
-        order = list(range(n)) if epoch == 0 else torch.randperm(n).tolist()
-        for start in range(0, n, mb_size):
-            mb_rows = order[start : start + mb_size]
-            early = None
-            if epoch == 0 and before_minibatch is not None:
-                # The first micro-batch's forward needs no rewards: it runs before waiting for
-                # them (and is masked below like the rest, once dropped rows are known).
-                early = forward(select_rows(batch, mb_rows[:micro]))
-                before_minibatch(mb_rows)
-            mb_mask = batch.response_mask[mb_rows].float()
-            denom = loss_denominator(
-                mb_mask, a.loss_agg, max_len
-            )  # micro-batch losses sum to the mini-batch's
-            token_denom = float(mb_mask.sum().clamp(min=1))
-            optimizer.zero_grad(set_to_none=True)
-            finite = True
-            for i in range(0, len(mb_rows), micro):
-                rows = mb_rows[i : i + micro]
-                sub = select_rows(batch, rows)
-                mask = sub.response_mask.float()  # [n, R]
-                if i == 0 and early is not None:
-                    logprobs, entropy = (x.masked_fill(mask == 0, 0.0) for x in early)
-                else:
-                    logprobs, entropy = forward(sub)
-                weights = None if tis_weights is None else tis_weights[rows]
-                if a.forking_frac > 0:  # only the top-entropy tokens train (the normaliser stays)
-                    fork = forking_token_mask(entropy, mask, a.forking_frac, a.forking_scope)
-                    weights = fork if weights is None else weights * fork
-                    sums["actor/forking_frac"] += float(fork.sum())
-                pg_loss, pg_metrics = policy_loss(
-                    logprobs, old_logprobs[rows], advantages[rows], mask,
-                    clip_low=a.clip_low, clip_high=a.clip_high, clip_dual=a.clip_dual or None,
-                    agg=a.loss_agg, denom=denom, max_len=max_len, weights=weights, **options,
-                )  # fmt: skip
-                ent = aggregate(entropy, mask, "token_mean", token_denom)
-                loss = pg_loss - a.entropy_coef * ent if a.entropy_coef > 0 else pg_loss
-                if ref_logprobs is not None and not a.kl_in_reward:
-                    ref_kl = kl_in_loss(
-                        logprobs,
-                        ref_logprobs[rows],
-                        mask,
-                        estimator=a.kl_estimator,
-                        agg=a.loss_agg,
-                        denom=denom,
-                        max_len=max_len,
-                    )
-                    loss = loss + a.kl_coef * ref_kl
-                    sums["actor/ref_kl"] += ref_kl.item()
-                if not torch.isfinite(loss):
-                    finite = False
-                    log.warning(
-                        "non-finite loss in a mini-batch of rows %s: optimizer step skipped", rows[:8]
-                    )
-                    break
-                loss.backward()
-                tokens = float(mask.sum())
-                with torch.no_grad():
-                    ppo_kl = aggregate(
-                        kl_estimate(logprobs, old_logprobs[rows], "k3"), mask, "token_mean", token_denom
-                    )
-                sums["actor/pg_loss"] += pg_loss.item()  # micro-batch parts sum to the mini-batch loss
-                sums["actor/entropy"] += ent.item() * token_denom
-                sums["actor/ppo_kl"] += ppo_kl.item() * token_denom
-                for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "cov_frac"):
-                    if k in pg_metrics:
-                        sums[f"actor/{k}"] += pg_metrics[k] * tokens
-                extremes["actor/ratio_min"] = min(
-                    extremes.get("actor/ratio_min", math.inf), pg_metrics["ratio_min"]
-                )
-                extremes["actor/ratio_max"] = max(
-                    extremes.get("actor/ratio_max", -math.inf), pg_metrics["ratio_max"]
-                )
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-            )
-            if not finite or not torch.isfinite(grad_norm):
+    def demo_logprobs(sub: RolloutBatch) -> torch.Tensor:
+        with policy.autocast():
+            return response_logprobs(model, sub, policy.blocked, cfg.rollout.temperature, chunk=chunk)[0]
+
+    counts: dict[str, float] = defaultdict(float)  # denominators of the OPSM / demonstration metrics
+
+    routing = RouterStats(model) if router_modules(model) else contextlib.nullcontext()
+    with routing:  # mixture-of-experts models: how the routers route in the update's passes
+        for epoch in range(cfg.trainer.ppo_epochs):
+            # The first pass keeps row order so its first mini-batch matches the old log-prob pass.
+            order = list(range(n)) if epoch == 0 else torch.randperm(n).tolist()
+            for start in range(0, n, mb_size):
+                mb_rows = order[start : start + mb_size]
+                early = None
+                if epoch == 0 and before_minibatch is not None:
+                    # The first micro-batch's forward needs no rewards: it runs before waiting for
+                    # them (and is masked below like the rest, once dropped rows are known).
+                    early = forward(select_rows(batch, mb_rows[:micro]))
+                    before_minibatch(mb_rows)
+                mb_mask = batch.response_mask[mb_rows].float()
+                denom = loss_denominator(
+                    mb_mask, a.loss_agg, max_len
+                )  # micro-batch losses sum to the mini-batch's
+                token_denom = float(mb_mask.sum().clamp(min=1))
+                demo_denom = demos.tokens_for(mb_rows) if demos is not None else 1.0
                 optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-                if finite:
-                    bad_ids = sorted({batch.samples[r].id for r in mb_rows})
-                    log.warning(
-                        "non-finite gradient in the mini-batch of samples %s: optimizer step skipped",
-                        bad_ids[:20],
+                finite = True
+                for i in range(0, len(mb_rows), micro):
+                    rows = mb_rows[i : i + micro]
+                    sub = select_rows(batch, rows)
+                    mask = sub.response_mask.float()  # [n, R]
+                    if i == 0 and early is not None:
+                        logprobs, entropy, token_kl = (
+                            None if x is None else x.masked_fill(mask == 0, 0.0) for x in early
+                        )
+                    else:
+                        logprobs, entropy, token_kl = forward(sub)
+                    weights = None if tis_weights is None else tis_weights[rows]
+                    if a.forking_frac > 0:  # only the top-entropy tokens train (the normaliser stays)
+                        fork = forking_token_mask(entropy, mask, a.forking_frac, a.forking_scope)
+                        weights = fork if weights is None else weights * fork
+                        sums["actor/forking_frac"] += float(fork.sum())
+                    if a.opsm_delta is not None:  # drifted negative-advantage responses leave the loss
+                        keep, opsm = off_policy_sequence_mask(
+                            logprobs, sub.rollout_logprobs, advantages[rows], mask, a.opsm_delta
+                        )
+                        keep = keep.unsqueeze(1).expand_as(mask)
+                        weights = keep if weights is None else weights * keep
+                        rows_with_tokens = float((mask.sum(dim=1) > 0).sum())
+                        sums["opsm/masked_frac"] += opsm["opsm/masked_frac"] * rows_with_tokens
+                        sums["opsm/kl_mean"] += opsm["opsm/kl_mean"] * rows_with_tokens
+                        counts["opsm"] += rows_with_tokens
+                    pg_loss, pg_metrics = policy_loss(
+                        logprobs, old_logprobs[rows], advantages[rows], mask,
+                        clip_low=a.clip_low, clip_high=a.clip_high, clip_dual=a.clip_dual or None,
+                        agg=a.loss_agg, denom=denom, max_len=max_len, weights=weights, **options,
+                    )  # fmt: skip
+                    ent = aggregate(entropy, mask, "token_mean", token_denom)
+                    loss = pg_loss - a.entropy_coef * ent if a.entropy_coef > 0 else pg_loss
+                    if ref_logprobs is not None and not a.kl_in_reward:
+                        if token_kl is not None:  # the exact KL over the vocabulary
+                            ref_kl = aggregate(token_kl, mask, a.loss_agg, denom, max_len)
+                        else:
+                            ref_kl = kl_in_loss(
+                                logprobs,
+                                ref_logprobs[rows],
+                                mask,
+                                estimator=a.kl_estimator,
+                                agg=a.loss_agg,
+                                denom=denom,
+                                max_len=max_len,
+                            )
+                        loss = loss + a.kl_coef * ref_kl
+                        sums["actor/ref_kl"] += ref_kl.item()
+                    if demos is not None and (demo_rows := demos.rows_for(rows)):
+                        demo = select_rows(demos.batch, demo_rows)
+                        demo_mask = demo.response_mask.float()
+                        demo_term, demo_metrics = demonstration_loss(
+                            demo_logprobs(demo), demo_mask, a.demo_loss, a.demo_alpha, demo_denom
+                        )
+                        loss = loss + a.demo_coef * demo_term
+                        sums["demo/loss"] += demo_term.item()
+                        n_demo = demo_metrics["demo/tokens"]
+                        for key in ("demo/nll", "demo/token_prob", "demo/trust_frac"):
+                            sums[key] += demo_metrics[key] * n_demo
+                        counts["demo"] += n_demo
+                    if not torch.isfinite(loss):
+                        finite = False
+                        log.warning(
+                            "non-finite loss in a mini-batch of rows %s: optimizer step skipped", rows[:8]
+                        )
+                        break
+                    loss.backward()
+                    tokens = float(mask.sum())
+                    with torch.no_grad():
+                        ppo_kl = aggregate(
+                            kl_estimate(logprobs, old_logprobs[rows], "k3"), mask, "token_mean", token_denom
+                        )
+                    sums["actor/pg_loss"] += pg_loss.item()  # micro-batch parts sum to the mini-batch loss
+                    sums["actor/entropy"] += ent.item() * token_denom
+                    sums["actor/ppo_kl"] += ppo_kl.item() * token_denom
+                    for k in ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "ratio_mean", "cov_frac"):
+                        if k in pg_metrics:
+                            sums[f"actor/{k}"] += pg_metrics[k] * tokens
+                    extremes["actor/ratio_min"] = min(
+                        extremes.get("actor/ratio_min", math.inf), pg_metrics["ratio_min"]
                     )
-                continue
-            optimizer.step()
-            grad_norms.append(float(grad_norm))
+                    extremes["actor/ratio_max"] = max(
+                        extremes.get("actor/ratio_max", -math.inf), pg_metrics["ratio_max"]
+                    )
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+                )
+                if not finite or not torch.isfinite(grad_norm):
+                    optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    if finite:
+                        bad_ids = sorted({batch.samples[r].id for r in mb_rows})
+                        log.warning(
+                            "non-finite gradient in the mini-batch of samples %s: optimizer step skipped",
+                            bad_ids[:20],
+                        )
+                    continue
+                optimizer.step()
+                grad_norms.append(float(grad_norm))
+
     # Losses: the mean mini-batch loss; the rest: token-weighted means over every mini-batch of
     # every epoch; the gradient norm: the mean over the optimizer steps taken.
     tokens_total = float(batch.response_mask.sum().clamp(min=1)) * cfg.trainer.ppo_epochs
     n_minibatches = cfg.trainer.ppo_epochs * math.ceil(n / mb_size)
     metrics = {}
     for key, value in sums.items():
-        metrics[key] = value / (n_minibatches if key in ("actor/pg_loss", "actor/ref_kl") else tokens_total)
+        if key.startswith("opsm/"):
+            metrics[key] = value / max(counts["opsm"], 1.0)  # row-weighted
+        elif key in ("demo/nll", "demo/token_prob", "demo/trust_frac"):
+            metrics[key] = value / max(counts["demo"], 1.0)  # demonstration-token-weighted
+        elif key in ("actor/pg_loss", "actor/ref_kl", "demo/loss"):
+            metrics[key] = value / n_minibatches
+        else:
+            metrics[key] = value / tokens_total
+    if demos is not None:
+        metrics["demo/prompts"] = float(len(demos.batch))
     metrics.update(extremes)
+    if isinstance(routing, RouterStats):
+        metrics.update(routing.metrics())
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["actor/skipped_steps"] = float(skipped)
     return metrics
