@@ -144,15 +144,18 @@ class RolloutConfig:
     max_batch_rows: int = 256
     """Rows generated at once (bounds memory)."""
     engine: str = "hf"
-    """Rollout engine of the engines that hold their own copy of the policy (Ray rollout workers,
-    the asynchronous mode's generator): `hf` (Hugging Face generate) or `vllm` (GPU only, the
-    `vllm` extra). The single-process on-policy loop always generates with `hf` on the trainer's
-    own model."""
+    """Rollout engine, in every loop: `hf` (Hugging Face generate; the on-policy loop's runs on
+    the trainer's own model) or `vllm` (GPU only, the `vllm` extra; its own copy of the weights,
+    synced after each update: colocated with the trainer and asleep during the update in the
+    on-policy loop, in the asynchronous mode's generator, in each Ray rollout worker)."""
     vllm_gpu_memory_utilization: float = 0.5
     """vLLM: fraction of the GPU its engine may take (weights + KV cache)."""
     vllm_sleep_level: int = 1
     """vLLM: sleep level while the policy trains (1: offload weights to CPU and drop the KV
     cache; 2: drop the weights too, they are synced from the trainer anyway); 0: never sleep."""
+    vllm_tensor_parallel_size: int = 1
+    """vLLM: GPUs each engine shards the model over (tensor parallelism); with the Ray backend
+    each rollout worker needs that many (`trainer.ray_gpus_per_actor`)."""
 
 
 @dataclass
@@ -178,9 +181,14 @@ class RewardConfig:
     batch and the update runs in this process; the update is the same as without it. One
     difference: a non-finite reward found after a mini-batch was already stepped on stops the
     update there (the step is counted as skipped) instead of skipping the whole step."""
-    remote_url: str | None = None
-    """Score on a reward server (`mmrl serve`) at this URL instead of local workers; its bearer
-    token comes from $MMRL_REWARD_TOKEN. Verifiers only: model rewards stay local."""
+    remote_url: str | list[str] | None = None
+    """Score on reward servers (`mmrl serve`) instead of local workers: one URL, or a list
+    (`[http://a:8000,http://b:8000]`) over which requests are spread by load, a server that
+    stops answering being skipped and retried later (`mmrl.server.client.RewardServerPool`);
+    the bearer token comes from $MMRL_REWARD_TOKEN. Verifiers only: model rewards stay local."""
+    remote_batch_size: int = 32
+    """Responses per request to a reward server while responses stream in (a GRPO group is the
+    usual size: fewer requests cost less HTTP, smaller ones spread better over servers)."""
     plugins: list[str] = field(default_factory=list)
     """Python modules to import (here and in every verifier worker) that register extra
     verifiers with `@register_verifier`."""
@@ -415,6 +423,9 @@ class TrainerConfig:
     rollout_workers: int = 1
     """Ray: rollout worker actors, each with its own engine and copy of the weights; a batch's
     prompts are split between them."""
+    reward_workers: int = 1
+    """Ray: reward worker actors (each with `reward.num_workers` verifier processes), placed
+    across nodes (a SPREAD placement group); responses go to the one with the fewest waiting."""
     train_workers: int = 1
     """Ray: processes of the training group (data parallel, parameters, gradients and optimizer
     state sharded with FSDP2); each mini-batch is split evenly between them."""
@@ -549,6 +560,21 @@ class Config:
             ),
             (self.rollout.engine in ("hf", "vllm"), "rollout.engine must be hf or vllm"),
             (self.rollout.vllm_sleep_level in (0, 1, 2), "rollout.vllm_sleep_level must be 0, 1 or 2"),
+            (
+                self.rollout.vllm_tensor_parallel_size >= 1,
+                f"rollout.vllm_tensor_parallel_size must be >= 1, got {self.rollout.vllm_tensor_parallel_size}",
+            ),
+            (
+                self.rollout.engine != "vllm"
+                or self.trainer.backend != "ray"
+                or self.trainer.ray_gpus_per_actor >= self.rollout.vllm_tensor_parallel_size,
+                "rollout.engine=vllm with trainer.backend=ray: each rollout worker holds one vLLM engine "
+                "on its own GPUs, so trainer.ray_gpus_per_actor must be >= rollout.vllm_tensor_parallel_size "
+                f"(got {self.trainer.ray_gpus_per_actor} and {self.rollout.vllm_tensor_parallel_size})",
+            ),
+            (self.reward.remote_batch_size >= 1, "reward.remote_batch_size must be >= 1"),
+            *self._remote_url_checks(),
+            (self.trainer.reward_workers >= 1, "trainer.reward_workers must be >= 1"),
             (self.trainer.backend in ("local", "ray"), "trainer.backend must be local or ray"),
             (self.trainer.mode in ("sync", "async"), "trainer.mode must be sync or async"),
             (self.trainer.max_staleness >= 0, "trainer.max_staleness must be >= 0"),
@@ -675,6 +701,21 @@ class Config:
                 a.demo_loss == "off" or local,
                 "algo.demo_loss needs trainer.backend=local (a demonstration pass in the update)",
             ),
+        ]
+
+    def _remote_url_checks(self) -> list[tuple[bool, str]]:
+        """`reward.remote_url`: one URL or a non-empty list of distinct ones."""
+        urls = self.reward.remote_url
+        if urls is None or isinstance(urls, str):
+            return []
+        urls = list(urls)
+        return [
+            (bool(urls), "reward.remote_url is an empty list (null: score locally)"),
+            (
+                all(isinstance(u, str) and u for u in urls),
+                f"reward.remote_url: every entry must be a URL, got {urls}",
+            ),
+            (len(set(urls)) == len(urls), f"reward.remote_url lists a server twice: {urls}"),
         ]
 
     def _stability_checks(self) -> list[tuple[bool, str]]:

@@ -1,6 +1,7 @@
-"""The Ray backend on a local 2-CPU cluster: the built-in task trains with two rollout workers, a
-reward worker and a two-process training group, with the local backend's metrics and run
-directory; a killed reward worker is replaced; a dead rollout worker is reported by name."""
+"""The Ray backend on a local 2-CPU cluster: the built-in task trains with two rollout workers, two
+reward workers and a two-process training group, with the local backend's metrics and run
+directory; responses are spread over the reward workers and a killed one is replaced; a dead
+rollout worker is reported by name."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ ray = pytest.importorskip("ray")
 
 from mmrl.config import load_config  # noqa: E402
 from mmrl.datasets.procedural import make_samples  # noqa: E402
-from mmrl.distributed.ray_backend import RayRouter, RewardWorker, RolloutPool, RolloutWorker  # noqa: E402
+from mmrl.distributed.ray_backend import (  # noqa: E402
+    RayCluster,
+    RayRouter,
+    RewardWorker,
+    RolloutPool,
+    RolloutWorker,
+)
 from mmrl.rollout.hf import SamplingParams  # noqa: E402
 from mmrl.router import Router  # noqa: E402
 from mmrl.train.grpo import train  # noqa: E402
@@ -80,6 +87,7 @@ def test_the_builtin_task_trains_on_ray_with_the_local_backends_metrics_and_run_
                 "trainer.backend=ray",
                 "trainer.rollout_workers=2",
                 "trainer.train_workers=2",
+                "trainer.reward_workers=2",
                 "trainer.ray_cpus_per_actor=0.25",
             ],
         )  # fmt: skip
@@ -108,33 +116,57 @@ def test_the_builtin_task_trains_on_ray_with_the_local_backends_metrics_and_run_
 
 
 def _reward_worker(cfg):
-    def start(name):
+    def start(name, slot):
         return ray.remote(RewardWorker).options(num_cpus=0.1, max_restarts=0).remote(cfg, 1)
 
     return start
 
 
-def test_a_killed_reward_worker_is_replaced_and_its_batch_scored_again(local_ray, caplog):
+def test_responses_are_spread_over_the_reward_workers_and_a_killed_one_is_replaced(local_ray, caplog):
     cfg = load_config("vision_reasoning", overrides=["reward.num_workers=0"])
-    samples = make_samples(["colour_code"], 4, "train")
+    samples = make_samples(["colour_code"], 8, "train")
     texts = [
         f"\\boxed{{{s.reward_model.ground_truth}}}" if i % 2 else "no answer" for i, s in enumerate(samples)
     ]
     expected = Router(num_workers=0).score(samples, texts, VerifyContext()).scores
-    router = RayRouter(ray, _reward_worker(cfg), time_limit_s=5.0)
+    router = RayRouter(ray, _reward_worker(cfg), time_limit_s=5.0, n_workers=2)
     router.warm_up()
+    rewards = router.score(samples, texts, VerifyContext())  # split between the two
+    torch.testing.assert_close(rewards.scores, expected)
+    assert router.scored() == [4, 4]
     pending = router.start(VerifyContext(), len(samples))
     for row, (sample, text) in enumerate(zip(samples, texts)):
-        pending.add(row, sample, text)
-    os.kill(ray.get(router.actor.pid.remote()), signal.SIGKILL)  # dies with the batch half-scored
+        pending.add(row, sample, text)  # each to the worker with the fewest rows waiting
+    assert router.waiting == [4, 4]
+    os.kill(ray.get(router.actors[0].pid.remote()), signal.SIGKILL)  # dies with its rows half-scored
     with caplog.at_level(logging.WARNING, logger="mmrl.distributed.ray_backend"):
         rewards = pending.result(samples, texts)
     torch.testing.assert_close(rewards.scores, expected)
-    assert router.replacements == 1
+    assert router.replacements == 1 and router.waiting == [0, 0]
     assert "reward worker mmrl-reward-0 died" in caplog.text
-    # The replacement goes on scoring.
+    assert router.names == ["reward worker mmrl-reward-2", "reward worker mmrl-reward-1"]
+    # The replacement goes on scoring beside the survivor: the dead one's 4 rows were scored
+    # again, over both, and then a batch of 8 split in two.
+    before = router.scored()
     torch.testing.assert_close(router.score(samples, texts, VerifyContext()).scores, expected)
+    assert [a - b for a, b in zip(router.scored(), before)] == [4, 4]
     router.close()
+
+
+def test_the_reward_workers_have_their_own_placement_group_spread_over_the_nodes(local_ray):
+    from ray.util.placement_group import placement_group_table
+
+    cfg = load_config(
+        overrides=["trainer.backend=ray", "trainer.reward_workers=3", "trainer.ray_cpus_per_actor=0.1"]
+    )
+    cluster = RayCluster(cfg)
+    try:
+        table = placement_group_table(cluster.reward_pg)
+        assert table["strategy"] == "SPREAD" and len(table["bundles"]) == 3
+        assert all(b == {"CPU": 0.1} for b in table["bundles"].values())
+        assert placement_group_table(cluster.pg)["strategy"] == "PACK"
+    finally:
+        cluster.shutdown()
 
 
 def test_a_dead_rollout_worker_is_reported_by_name(local_ray, model_dir):

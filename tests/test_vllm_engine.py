@@ -3,18 +3,20 @@
 vLLM needs a GPU and is not installed on our machines, so these tests pin down what can run
 without it: the prompts equal the HF engine's, vLLM-shaped outputs become exactly the batch the
 HF engine returns for the same tokens, the weights to sync (full, LoRA merged, LoRA adapters),
-and the engine's calls into a stand-in `vllm` module (sleep / wake / weight sync / LoRA
-requests). What vLLM itself does with those calls is untested here.
+the engine's calls into a stand-in `vllm` module (sleep / wake, weight sync through the worker
+extension, streamed request outputs, LoRA requests), and `rollout.engine=vllm` in the
+synchronous training loop. What vLLM itself does with those calls is untested here.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -117,18 +119,21 @@ def _as_vllm_outputs(batch, n: int, stop_ids: list[int], shuffle: bool = True) -
 # ---------------------------------------------------------------------------------------------
 
 
-def test_importing_the_engine_and_the_async_trainer_never_imports_vllm(tmp_path):
+def test_importing_the_engine_and_the_loops_that_use_it_never_imports_vllm(tmp_path):
     """A poisoned `vllm` package first on the path: importing mmrl's modules must not touch it."""
     poisoned = tmp_path / "vllm"
     poisoned.mkdir()
     (poisoned / "__init__.py").write_text("raise RuntimeError('vllm was imported')\n")
     code = (
         "import sys\n"
-        "import mmrl.rollout.vllm, mmrl.train.async_grpo, mmrl.distributed.ray_backend\n"
+        "import mmrl.rollout.vllm_worker\n"  # what vLLM's workers import: light
+        "assert 'transformers' not in sys.modules\n"
+        "import mmrl.rollout.vllm, mmrl.train.async_grpo, mmrl.train.colocated, mmrl.distributed.ray_backend\n"
         "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if 'vllm' in m)\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONSAFEPATH": "1"}
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "ok"
@@ -410,44 +415,160 @@ def test_sync_mode_picks_full_adapter_or_merged():
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class FakeLLM:
-    """Records the engine's calls; its one worker holds an HF copy of the model."""
+class RefusesCode(TypeError):
+    """What vLLM V1 raises for a function passed to `collective_rpc` (msgpack, no pickle)."""
 
-    kwargs: dict
-    events: list = field(default_factory=list)
-    worker_model: torch.nn.Module | None = None
-    reply: list | None = None
-    generate_calls: list = field(default_factory=list)
+
+class FakeVllmModel:
+    """vLLM's model inside a worker: `load_weights(weights=[(name, tensor), ...])`, here into an
+    HF copy; records what it was given."""
+
+    def __init__(self, hf: torch.nn.Module, dtype: torch.dtype):
+        self.hf, self.dtype, self.loaded = hf, dtype, []
+
+    def load_weights(self, weights):
+        params = self.hf.state_dict()
+        for name, tensor in weights:
+            # What crosses vLLM V1's process boundary: host tensors, in the engine's dtype.
+            assert tensor.device.type == "cpu", name
+            assert not tensor.is_floating_point() or tensor.dtype == self.dtype, (name, tensor.dtype)
+            params[name].copy_(tensor)
+            self.loaded.append(name)
+
+
+class FakeEngine:
+    """vLLM's `LLMEngine` loop: requests are added, and each `step` finishes one of them, the
+    last added first (so outputs arrive out of prompt order, as vLLM's do)."""
+
+    def __init__(self, llm: FakeLLM):
+        self.llm, self.queue, self.position = llm, [], 0
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        self.llm.check_awake("add_request", {"weights", "kv_cache"})
+        assert params.output_kind == RequestOutputKind.FINAL_ONLY
+        if not self.queue:
+            self.position = 0
+        self.queue.append((request_id, self.position, prompt, params, lora_request))
+        self.llm.requests.append((prompt, params, lora_request))
+        self.llm.events.append(("add_request", request_id))
+        self.position += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.queue)
+
+    def step(self):
+        request_id, position, prompt, params, lora = self.queue.pop()
+        self.llm.events.append(("step", request_id))
+        out = self.llm.complete(position, prompt, params)
+        out.request_id = request_id
+        return [out]
+
+    def abort_request(self, request_ids):
+        self.llm.events.append(("abort", tuple(request_ids)))
+        self.queue = [q for q in self.queue if q[0] not in request_ids]
+
+    def remove_lora(self, lora_id):
+        self.llm.events.append(("remove_lora", lora_id))
+
+
+class FakeLLM:
+    """Records the engine's calls. Its workers are built as vLLM builds them, with the class
+    named by `worker_extension_cls` mixed in; they hold an HF copy of the model from the folder
+    vLLM was given, which (without a scripted `reply`) samples the responses itself from the
+    tempered softmax over the allowed ids, recording each token's log-prob."""
+
+    def __init__(self, kwargs: dict):
+        import importlib
+
+        self.kwargs, self.events, self.requests, self.reply = kwargs, [], [], None
+        self.asleep: set[str] = set()
+        self.llm_engine = FakeEngine(self)
+        self.policy = load_policy(kwargs["model"])  # the weights vLLM loads from the folder
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kwargs["dtype"]]
+        module, name = kwargs["worker_extension_cls"].rsplit(".", 1)
+        extension = getattr(importlib.import_module(module), name)
+        worker_cls = type("FakeWorker", (extension,), {})  # vLLM: the extension as a base class
+        self.workers = []
+        for _ in range(kwargs["tensor_parallel_size"]):
+            worker = worker_cls()
+            worker.model_runner = types.SimpleNamespace(model=FakeVllmModel(self.policy.model, self.dtype))
+            self.workers.append(worker)
+
+    def check_awake(self, what: str, parts: set[str]) -> None:
+        if self.asleep & parts:
+            raise AssertionError(f"{what} while {sorted(self.asleep & parts)} asleep")
 
     def sleep(self, level: int = 1) -> None:
         self.events.append(("sleep", level))
+        self.asleep = {"weights", "kv_cache"}
+        if level == 2:  # the weights are dropped
+            with torch.no_grad():
+                for p in self.policy.model.parameters():
+                    p.zero_()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.events.append(("wake_up", tags))
+        self.asleep -= set(tags) if tags is not None else set(self.asleep)
 
     def reset_prefix_cache(self) -> None:
         self.events.append(("reset_prefix_cache",))
 
-    @property
-    def llm_engine(self):
-        return types.SimpleNamespace(remove_lora=lambda lora_id: self.events.append(("remove_lora", lora_id)))
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if not isinstance(method, str):
+            raise RefusesCode("a function in collective_rpc needs VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+        self.check_awake("collective_rpc", {"weights"})
+        self.events.append(("collective_rpc", method))
+        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
 
-    def collective_rpc(self, fn, args=(), kwargs=None):
-        hf = self.worker_model
+    def complete(self, position: int, prompt: dict, params) -> RequestOutput:
+        if self.reply is not None:
+            return copy.deepcopy(self.reply[position])
+        return self._sample(prompt, params)
 
-        class Model:  # vLLM's model: `load_weights(weights=[(name, tensor), ...])`
-            def load_weights(self, weights):
-                hf.load_state_dict(dict(weights), strict=True)
+    @torch.no_grad()
+    def _sample(self, prompt: dict, params) -> RequestOutput:
+        """n completions of one prompt with HF `generate` (only the temperature and the blocked
+        ids shape the distribution, as in mmrl's HF engine); each sampled token's log-prob is
+        computed from the raw logits as the trainer computes it."""
+        from transformers import LogitsProcessorList
 
-        worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=Model()))
-        self.events.append(("collective_rpc", fn.__name__))
-        return [fn(worker, *args)]
+        from mmrl.algos.logprobs import masked_logits, token_logprobs
+        from mmrl.rollout.hf import _SAMPLING_SHAPERS, _BlockTokens
 
-    def generate(self, prompts, sampling, use_tqdm=True, lora_request=None):
-        self.events.append(("generate",))
-        self.generate_calls.append((prompts, sampling, lora_request))
-        return self.reply
+        model, processor = self.policy.model, self.policy.processor
+        images = prompt.get("multi_modal_data", {}).get("image")
+        inputs = processor(text=[prompt["prompt"]], images=images, return_tensors="pt")
+        vocab = model.get_output_embeddings().weight.shape[0]
+        blocked = torch.ones(vocab, dtype=torch.bool)
+        blocked[params.allowed_token_ids] = False
+        greedy = params.temperature == 0
+        out = model.generate(
+            **inputs, do_sample=not greedy, temperature=None if greedy else params.temperature,
+            **dict.fromkeys(_SAMPLING_SHAPERS), num_return_sequences=params.n,
+            max_new_tokens=params.max_tokens, logits_processor=LogitsProcessorList([_BlockTokens(blocked)]),
+            eos_token_id=params.stop_token_ids, pad_token_id=self.policy.pad_token_id,
+            return_dict_in_generate=True, output_logits=True,
+        )  # fmt: skip
+        tokens = out.sequences[:, inputs["input_ids"].shape[1] :]  # [n, T]
+        raw = torch.stack(out.logits, dim=1)  # [n, T, V]
+        lps = token_logprobs(masked_logits(raw, blocked, 1.0 if greedy else params.temperature), tokens)
+        completions = []
+        for index in range(params.n):
+            ids, finish = tokens[index].tolist(), "length"
+            stops = [t for t, tok in enumerate(ids) if tok in params.stop_token_ids]
+            if stops:
+                ids, finish = ids[: stops[0] + 1], "stop"
+            positions = None
+            if params.logprobs is not None:
+                positions = [{tok: Logprob(float(lps[index, t]))} for t, tok in enumerate(ids)]
+            completions.append(
+                Completion(index, ids, positions, finish, ids[-1] if finish == "stop" else None)
+            )
+        return RequestOutput(completions, inputs["input_ids"][0].tolist())
+
+
+class RequestOutputKind:
+    CUMULATIVE, DELTA, FINAL_ONLY = 0, 1, 2
 
 
 @pytest.fixture()
@@ -463,6 +584,8 @@ def fake_vllm(monkeypatch):
 
     vllm.LLM = LLM
     vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    sampling_params = types.ModuleType("vllm.sampling_params")
+    sampling_params.RequestOutputKind = RequestOutputKind
     lora = types.ModuleType("vllm.lora")
     request = types.ModuleType("vllm.lora.request")
 
@@ -473,7 +596,9 @@ def fake_vllm(monkeypatch):
         lora_path: str
 
     request.LoRARequest = LoRARequest
-    for name, module in (("vllm", vllm), ("vllm.lora", lora), ("vllm.lora.request", request)):
+    modules = {"vllm": vllm, "vllm.sampling_params": sampling_params, "vllm.lora": lora,
+               "vllm.lora.request": request}  # fmt: skip
+    for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return made
 
@@ -491,21 +616,25 @@ def _reply(policy: Policy, samples: list[Sample], n: int) -> list[RequestOutput]
     return outputs
 
 
-def test_the_engine_sleeps_after_each_batch_and_wakes_weights_alone_to_sync(saved_policy, fake_vllm):
-    cfg = load_config(overrides=["rollout.engine=vllm", "rollout.vllm_sleep_level=1", "rollout.vllm_gpu_memory_utilization=0.3", "trainer.seed=5"])  # fmt: skip
+def _kinds(events) -> list[str]:
+    return [e[0] for e in events]
+
+
+def test_the_engine_sleeps_after_each_batch_and_syncs_through_the_worker_extension(saved_policy, fake_vllm):
+    cfg = load_config(overrides=["rollout.engine=vllm", "rollout.vllm_sleep_level=1", "rollout.vllm_gpu_memory_utilization=0.3",
+                                 "trainer.seed=5", "model.dtype=float32", "rollout.vllm_tensor_parallel_size=2"])  # fmt: skip
     from mmrl.train.async_grpo import make_rollout_engine
 
     engine = make_rollout_engine(cfg, saved_policy)
     assert isinstance(engine, VLLMRolloutEngine) and engine.mode == "full"
     (llm,) = fake_vllm
-    assert llm.kwargs["model"] == str(saved_policy.model.name_or_path)
-    assert (llm.kwargs["gpu_memory_utilization"], llm.kwargs["enable_sleep_mode"], llm.kwargs["seed"]) == (
-        0.3,
-        True,
-        5,
-    )
-    assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
-    assert "enable_lora" not in llm.kwargs
+    kw = llm.kwargs
+    assert kw["model"] == str(saved_policy.model.name_or_path)
+    assert (kw["gpu_memory_utilization"], kw["enable_sleep_mode"], kw["seed"]) == (0.3, True, 5)
+    assert (kw["dtype"], kw["tensor_parallel_size"], kw["revision"]) == ("float32", 2, None)
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["worker_extension_cls"] == "mmrl.rollout.vllm_worker.WeightSyncExtension"
+    assert "enable_lora" not in kw
 
     samples = make_samples(["colour_code"], 2, "train")
     llm.reply = _reply(saved_policy, samples, 2)
@@ -516,68 +645,155 @@ def test_the_engine_sleeps_after_each_batch_and_wakes_weights_alone_to_sync(save
     assert batch.response_ids.shape == (4, 2) and batch.group_size == 2
     assert batch.rollout_logprobs.tolist() == [[-1.0, -0.5]] * 4
     assert sorted(seen) == [0, 1, 2, 3]
-    prompts, sampling, lora_request = llm.generate_calls[0]
-    assert len(prompts) == 2 and "multi_modal_data" in prompts[0] and lora_request is None
+    prompts = [r[0] for r in llm.requests]
+    assert len(prompts) == 2 and "multi_modal_data" in prompts[0]
+    sampling, lora_request = llm.requests[0][1], llm.requests[0][2]
+    assert lora_request is None
     assert (sampling.n, sampling.logprobs, sampling.max_tokens) == (2, 0, 4)
 
-    # After the update: the trainer's new weights go into the worker's model.
-    worker = copy.deepcopy(saved_policy.model)
-    llm.worker_model = worker
+    # After the update: the trainer's new weights go into every worker's model, by the worker
+    # extension's method name (a function would need vLLM V1's insecure serialisation).
     trained = {k: v + 0.01 for k, v in saved_policy.model.state_dict().items()}
     engine.load_weights(trained)
-    for k, v in worker.state_dict().items():
+    for k, v in llm.policy.model.state_dict().items():
         assert torch.equal(v, trained[k]), k
+    for worker in llm.workers:  # each tensor-parallel rank got every tensor, once
+        assert sorted(worker.model_runner.model.loaded) == sorted(trained)
+    llm.events.clear()
     engine.generate(samples, SamplingParams(n=2, max_new_tokens=4))
+    engine.load_weights(trained)
     assert llm.events == [
-        ("generate",),
+        ("wake_up", None),  # the KV cache (the weights woke for the sync) for the next batch
+        ("add_request", "mmrl-1-0"),
+        ("add_request", "mmrl-1-1"),
+        ("step", "mmrl-1-1"),
+        ("step", "mmrl-1-0"),
         ("sleep", 1),  # the GPU is the trainer's while it updates
         ("wake_up", ["weights"]),  # weights back (KV cache still free) to take the new ones
-        ("collective_rpc", "load_weights_on_worker"),
+        ("collective_rpc", "mmrl_load_weights"),
         ("reset_prefix_cache",),  # cached prefixes were computed with the old weights
-        ("wake_up", None),  # the rest (KV cache) for the next batch
-        ("generate",),
-        ("sleep", 1),
     ]
     with pytest.raises(KeyError, match="missing"):
         engine.load_weights({k: v for k, v in trained.items() if "lm_head" not in k})
 
 
+def test_weights_go_in_buckets_of_host_tensors_in_the_engines_dtype():
+    weights = {"a": torch.ones(4, 4), "b": torch.ones(2, dtype=torch.float64), "c": torch.arange(3),
+               "d": torch.ones(8, 8)}  # fmt: skip
+    buckets = list(engine_module.weight_buckets(weights.items(), torch.bfloat16, max_bytes=40))
+    # a: 16 bf16 = 32 bytes; b: 4 bytes (fits beside a); c: int64 kept, 24 bytes (a new bucket);
+    # d: 128 bytes, larger than a bucket: alone.
+    assert [[name for name, _ in b] for b in buckets] == [["a", "b"], ["c"], ["d"]]
+    dtypes = {name: t.dtype for b in buckets for name, t in b}
+    assert dtypes == {"a": torch.bfloat16, "b": torch.bfloat16, "c": torch.int64, "d": torch.bfloat16}
+    assert all(t.device.type == "cpu" and t.is_contiguous() for b in buckets for _, t in b)
+    assert torch.equal(buckets[1][0][1], torch.arange(3))
+
+
+def test_a_prompts_responses_reach_the_router_the_step_vllm_finishes_it(saved_policy, fake_vllm):
+    """Streaming: each request's G responses go to `on_response` the step it finishes, before
+    vLLM has finished the other prompts (so scoring overlaps generation); the texts are the
+    batch's."""
+    engine = VLLMRolloutEngine.from_policy(saved_policy, load_config(overrides=["model.dtype=float32"]))
+    (llm,) = fake_vllm
+    samples = make_samples(["colour_code"], 3, "train")
+    llm.reply = _reply(saved_policy, samples, 2)
+    texts = {}
+
+    def on_response(row, text):
+        llm.events.append(("on_response", row))
+        texts[row] = text
+
+    batch = engine.generate(samples, SamplingParams(n=2, max_new_tokens=4), on_response=on_response)
+    order = [e for e in llm.events if e[0] in ("step", "on_response")]
+    assert order == [
+        ("step", "mmrl-0-2"), ("on_response", 4), ("on_response", 5),  # prompt 2 finishes first
+        ("step", "mmrl-0-1"), ("on_response", 2), ("on_response", 3),
+        ("step", "mmrl-0-0"), ("on_response", 0), ("on_response", 1),
+    ]  # fmt: skip
+    assert [texts[r] for r in range(6)] == batch.texts
+    # Greedy (evaluation): one completion a prompt, handed over as each of its G rows.
+    llm.reply = [
+        RequestOutput([out.outputs[0]], out.prompt_token_ids) for out in _reply(saved_policy, samples, 1)
+    ]
+    rows = []
+    greedy = engine.generate(samples, SamplingParams(n=2, greedy=True, max_new_tokens=4),
+                             on_response=lambda r, t: rows.append((r, t)))  # fmt: skip
+    assert sorted(rows) == sorted(enumerate(greedy.texts)) and len(rows) == 6
+
+
+def test_a_failing_request_aborts_the_others_and_the_engine_sleeps(saved_policy, fake_vllm):
+    engine = VLLMRolloutEngine.from_policy(saved_policy, load_config(overrides=["model.dtype=float32"]))
+    (llm,) = fake_vllm
+    samples = make_samples(["colour_code"], 3, "train")
+    llm.reply = _reply(saved_policy, samples, 2)
+    llm.reply[2].outputs[0].finish_reason = "abort"  # the first request to finish
+    with pytest.raises(RuntimeError, match="aborted completion 0 of prompt 0"):
+        engine.generate(samples, SamplingParams(n=2, max_new_tokens=4), on_response=lambda r, t: None)
+    assert ("abort", ("mmrl-0-0", "mmrl-0-1")) in llm.events
+    assert llm.events[-1] == ("sleep", 1) and not llm.llm_engine.queue
+
+
+def test_a_function_sent_to_the_workers_is_refused_by_the_stand_in(saved_policy, fake_vllm):
+    """The stand-in refuses pickled code as vLLM V1 does, so the sync tests above would fail if
+    the engine sent a function instead of the extension method's name."""
+    VLLMRolloutEngine.from_policy(saved_policy)
+    (llm,) = fake_vllm
+    with pytest.raises(RefusesCode):
+        llm.collective_rpc(lambda worker: None)
+
+
 def test_sleep_level_zero_never_sleeps(saved_policy, fake_vllm):
-    cfg = load_config(overrides=["rollout.vllm_sleep_level=0"])
+    cfg = load_config(overrides=["rollout.vllm_sleep_level=0", "model.dtype=float32"])
     engine = VLLMRolloutEngine.from_policy(saved_policy, cfg)
     (llm,) = fake_vllm
     assert llm.kwargs["enable_sleep_mode"] is False
     samples = make_samples(["colour_code"], 1, "train")
     llm.reply = _reply(saved_policy, samples, 1)
-    llm.worker_model = copy.deepcopy(saved_policy.model)
     engine.generate(samples, SamplingParams(n=1, max_new_tokens=4))
     engine.load_weights(saved_policy.model.state_dict())
-    assert [e[0] for e in llm.events] == ["generate", "collective_rpc", "reset_prefix_cache"]
+    assert _kinds(llm.events) == ["add_request", "step", "collective_rpc", "reset_prefix_cache"]
 
 
 def test_sleep_level_two_sends_the_last_weights_again_before_generating(saved_policy, fake_vllm):
     """Level 2 drops the weights: a batch generated without a sync in between (the asynchronous
     generator reuses a version) must first get the last synced weights back."""
-    cfg = load_config(overrides=["rollout.vllm_sleep_level=2"])
+    cfg = load_config(overrides=["rollout.vllm_sleep_level=2", "model.dtype=float32"])
     engine = VLLMRolloutEngine.from_policy(saved_policy, cfg)
     (llm,) = fake_vllm
     samples = make_samples(["colour_code"], 1, "train")
     llm.reply = _reply(saved_policy, samples, 1)
-    llm.worker_model = worker = copy.deepcopy(saved_policy.model)
     params = SamplingParams(n=1, max_new_tokens=4)
     engine.generate(samples, params)  # the weights vLLM loaded from the folder
     with pytest.raises(RuntimeError, match="before any weights were loaded"):
         engine.generate(samples, params)
     trained = {k: v + 0.01 for k, v in saved_policy.model.state_dict().items()}
     engine.load_weights(trained)
-    engine.generate(samples, params)
-    with torch.no_grad():  # level 2 really dropped them
-        for p in worker.parameters():
-            p.zero_()
+    engine.generate(samples, params)  # the fake's level-2 sleep zeroes the weights after it
     llm.events.clear()
     engine.generate(samples, params)
-    assert [e[0] for e in llm.events] == ["wake_up", "collective_rpc", "wake_up", "generate", "sleep"]
-    assert all(torch.equal(v, trained[k]) for k, v in worker.state_dict().items())
+    assert _kinds(llm.events) == ["wake_up", "collective_rpc", "wake_up", "add_request", "step", "sleep"]
+    llm.wake_up()
+    engine.load_weights(trained)  # (to read the weights back, awake)
+    assert all(torch.equal(v, trained[k]) for k, v in llm.policy.model.state_dict().items())
+
+
+def test_a_hub_id_is_passed_to_vllm_with_its_revision(saved_policy, fake_vllm, monkeypatch):
+    """vLLM loads a hub id itself (at `model.revision`); only a name that is neither a folder
+    nor a hub id is refused."""
+    folder = str(saved_policy.model.name_or_path)
+    monkeypatch.setattr(FakeLLM, "__init__", lambda self, kwargs: setattr(self, "kwargs", kwargs))
+    saved_policy.model.name_or_path = "Qwen/Qwen2.5-VL-3B-Instruct"
+    cfg = load_config(overrides=["model.revision=abc123", "model.dtype=bfloat16"])
+    VLLMRolloutEngine.from_policy(saved_policy, cfg)
+    kw = fake_vllm[-1].kwargs
+    assert (kw["model"], kw["tokenizer"], kw["revision"], kw["tokenizer_revision"], kw["dtype"]) == (
+        "Qwen/Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct", "abc123", "abc123", "bfloat16",
+    )  # fmt: skip
+    for bad in ("", "not a/valid/id", folder + "/missing"):
+        saved_policy.model.name_or_path = bad
+        with pytest.raises(ValueError, match="neither"):
+            VLLMRolloutEngine.from_policy(saved_policy, cfg)
 
 
 def test_a_lora_policy_syncs_its_adapters_as_a_new_lora_request(tmp_path, fake_vllm):
@@ -612,7 +828,7 @@ def test_a_lora_policy_syncs_its_adapters_as_a_new_lora_request(tmp_path, fake_v
                     p.normal_(0, 0.05)
         engine.load_weights(policy.model.state_dict())
         engine.generate(samples, SamplingParams(n=1, max_new_tokens=4))
-        request = llm.generate_calls[-1][2]
+        request = llm.requests[-1][2]
         assert (request.lora_int_id, request.lora_name) == (version, f"mmrl-v{version}")
         folder = Path(request.lora_path)
         saved = load_file(folder / "adapter_model.safetensors")
@@ -623,6 +839,72 @@ def test_a_lora_policy_syncs_its_adapters_as_a_new_lora_request(tmp_path, fake_v
         folders.append(folder)
     assert not folders[0].exists()  # the previous adapter is gone
     assert ("remove_lora", 1) in llm.events  # vLLM forgets the previous adapter
-    assert "collective_rpc" not in [e[0] for e in llm.events]  # adapters only, never full weights
+    assert "collective_rpc" not in _kinds(llm.events)  # adapters only, never full weights
     engine.close()
     assert not folders[1].exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout.engine=vllm in the synchronous loop
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_synchronous_loop_generates_with_vllm_asleep_during_each_update(saved_policy, fake_vllm, tmp_path,
+                                                                            monkeypatch):  # fmt: skip
+    """`rollout.engine=vllm` with the default loop: every rollout and evaluation comes from the
+    (stand-in) vLLM engine, which sleeps through each update and gets the new weights after it
+    through the worker extension. The stand-in samples with the weights it was sent, so its
+    log-probs equal the trainer's recomputation only if every sync arrived (a missed one after
+    an update at this learning rate differs by ~1e-3)."""
+    import mmrl.train.grpo as grpo
+
+    updates = []
+    real_update = grpo.update_policy
+
+    def update_policy(*args, **kwargs):
+        (llm,) = fake_vllm
+        llm.events.append(("update",))
+        updates.append(set(llm.asleep))  # what of vLLM sleeps while the trainer updates
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "update_policy", update_policy)
+    model_dir = Path(saved_policy.model.name_or_path)
+    cfg = load_config(
+        "vision_reasoning",
+        overrides=[
+            f"model.path={model_dir}", "model.dtype=float32", "rollout.engine=vllm",
+            "trainer.total_steps=2", "trainer.prompts_per_step=2", "rollout.group_size=4",
+            "rollout.max_new_tokens=16", "trainer.eval_size=2", "trainer.eval_every=2",
+            "trainer.progress=false", "trainer.save_final=false", "reward.num_workers=0",
+            "data.kinds=[ocr]", "data.num_train=8", "data.num_heldout=2", "optim.lr=1e-3",
+            f"trainer.run_dir={tmp_path / 'run'}", "trainer.dump_steps=true",
+        ],
+    )  # fmt: skip
+    assert grpo.composition(cfg).make_trainee.__module__ == "mmrl.train.colocated"
+    result = grpo.train(cfg)
+    assert result.steps == 2
+    (llm,) = fake_vllm
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "rollout/kl_k1" in r]
+    # Step 1's update changed the weights; step 2 sampled with them (the last sync left them in
+    # vLLM's workers too).
+    assert len(steps) == 2 and steps[0]["actor/grad_norm"] > 0
+    assert all(abs(r["rollout/kl_k1"]) < 1e-5 for r in steps), [r["rollout/kl_k1"] for r in steps]
+    start = load_policy(model_dir).model.state_dict()
+    synced = llm.policy.model.state_dict()
+    assert max(float((synced[k] - start[k]).abs().max()) for k in start) > 1e-4
+    assert all(r["time/weight_sync_s"] >= 0 for r in steps)
+    # Every update ran with all of vLLM asleep.
+    assert len(updates) == 2 and all(u == {"weights", "kv_cache"} for u in updates)
+    # The order within a step: generate (awake), sleep, update, wake the weights, sync.
+    wake, wake_weights = ("wake_up", None), ("wake_up", ["weights"])
+    events = [e[:2] if e[0] == "wake_up" else e[:1] for e in llm.events if e[0] in ("wake_up", "sleep", "update",
+                                                                                  "collective_rpc")]  # fmt: skip
+    sleep, update, sync = ("sleep",), ("update",), ("collective_rpc",)
+    step = [wake, sleep, update, wake_weights, sync]  # generate awake, sleep, update, new weights
+    assert events == [
+        sleep,  # the evaluation at step 0 (vLLM starts awake), then asleep
+        wake_weights, sync,  # the weights the run starts from (a resumed run's)
+        *step, *step,
+        wake, sleep,  # the final evaluation, with the weights of the last sync
+    ], events  # fmt: skip

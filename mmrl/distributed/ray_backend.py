@@ -5,21 +5,24 @@
     rollout workers         `trainer.rollout_workers` actors, each with its own engine
                             (`rollout.engine`: HF generate or vLLM) and copy of the weights; a
                             batch's prompts are split between them
-    reward worker           one actor holding the verifier router (its worker processes, time
-                            limits and error policy); responses are scored as each rollout
-                            worker's share arrives
+    reward workers          `trainer.reward_workers` actors, each holding a verifier router (its
+                            worker processes, time limits and error policy), placed across nodes
+                            (their own SPREAD placement group); each response goes to the one
+                            with the fewest responses waiting, as each rollout worker's share
+                            arrives
     training group          `trainer.train_workers` actors, one `GroupLearner` each (FSDP2,
                             data parallel, `mmrl.distributed.training_group`)
 
-All of them live in one placement group (`trainer.ray_cpus_per_actor`,
-`trainer.ray_gpus_per_actor` each). The pieces plug into the same `Trainee` as the local backend:
-the rollout workers are its `engine` (`RolloutPool`), the reward worker its `router`
+The rollout workers and the training group live in one placement group, the reward workers in a
+second one spread over the nodes (`trainer.ray_cpus_per_actor`, `trainer.ray_gpus_per_actor`
+each; reward workers take no GPU). The pieces plug into the same `Trainee` as the local backend:
+the rollout workers are its `engine` (`RolloutPool`), the reward workers its `router`
 (`RayRouter`), the training group its learner (`RayTrainee.old_and_ref_logprobs` /
 `update_policy`); after each update the group's weights go to every rollout worker (one object
 in Ray's store) and to the driver's copy. Metrics and the run directory are the local backend's.
 
 Failures: a call to a dead rollout worker or training process raises an error naming the actor;
-a dead reward worker is replaced (its batch scored again by the new one) and the replacement
+a dead reward worker is replaced (its share of the batch scored again) and the replacement
 logged, at most `MAX_REWARD_RESTARTS` times a run. `close()` stops every actor and the placement
 group (and Ray, when this run started it).
 """
@@ -31,6 +34,7 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -44,12 +48,12 @@ from mmrl.models.loading import Policy
 from mmrl.rollout.hf import SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch
 from mmrl.train.grpo import Composition, Trainee, grpo_step, lr_lambda, make_router
-from mmrl.types import RolloutBatch, Sample, VerifyContext
+from mmrl.types import RolloutBatch, Sample, VerifierResult, VerifyContext
 
 log = logging.getLogger(__name__)
 
 MAX_REWARD_RESTARTS = 3
-"""A run replaces a dead reward worker at most this many times, then stops with an error."""
+"""A run replaces dead reward workers at most this many times in all, then stops with an error."""
 READY_TIMEOUT_S = 300.0
 """How long the placement group and the actors' start may take before the run stops."""
 
@@ -110,13 +114,15 @@ class RolloutWorker:
 
 
 class RewardWorker:
-    """The verifier router (or a reward-server client) in its own actor."""
+    """A verifier router (or a reward-server client) in its own actor; one of
+    `trainer.reward_workers`, each scoring the rows the driver sends it."""
 
     def __init__(self, cfg: Config, threads: int):
         if threads > 0:
             torch.set_num_threads(threads)
         self.router = make_router(cfg)
         self.pending: dict[str, Any] = {}
+        self.rows_scored = 0
 
     def warm_up(self) -> float:
         return self.router.warm_up()
@@ -127,11 +133,25 @@ class RewardWorker:
     def add(self, key: str, row: int, sample: Sample, text: str) -> None:
         self.pending[key].add(row, sample, text)
 
-    def result(self, key: str, samples: list[Sample], texts: list[str]) -> RewardBatch:
-        return self.pending.pop(key).result(samples, texts)
+    def wait(
+        self, key: str, rows: list[int], samples: list[Sample | None], texts: list[str | None]
+    ) -> list[VerifierResult]:
+        """The results of `rows` of batch `key` (`samples` and `texts` are the batch's, filled
+        at these rows); a row never added here is scored now."""
+        results = self.pending[key].wait(rows, samples, texts)
+        self.rows_scored += len(rows)
+        return results
+
+    def release(self, key: str) -> None:
+        self.pending.pop(key, None)
 
     def score(self, samples: list[Sample], texts: list[str], context: VerifyContext) -> RewardBatch:
+        self.rows_scored += len(samples)
         return self.router.score(samples, texts, context)
+
+    def scored(self) -> int:
+        """Rows this worker returned results for."""
+        return self.rows_scored
 
     def close(self) -> None:
         self.router.close()
@@ -228,72 +248,167 @@ class RolloutPool:
 
 
 class RayPending:
-    """One batch being scored by the reward worker (the `PendingRewards` interface)."""
+    """One batch being scored by the reward workers (the `PendingRewards` interface): each row
+    goes to the worker with the fewest rows waiting when it is added."""
 
     def __init__(self, router: RayRouter, context: VerifyContext, n_rows: int):
-        self.router, self.context = router, context
-        self.actor, self.key = router.actor, uuid.uuid4().hex
-        self.actor.start.remote(self.key, context, n_rows)
+        self.router, self.context, self.n_rows = router, context, n_rows
+        self.key = uuid.uuid4().hex
+        self.started: dict[int, Any] = {}  # slot -> the actor the batch was started on
+        self.slot_of: dict[int, int] = {}  # row -> slot
+
+    def _actor(self, slot: int):
+        actor = self.router.actors[slot]
+        if self.started.get(slot) is not actor:  # first row there, or a replacement since
+            actor.start.remote(self.key, self.context, self.n_rows)
+            self.started[slot] = actor
+        return actor
 
     def add(self, row: int, sample: Sample, text: str) -> None:
-        self.actor.add.remote(self.key, row, _light(sample), text)
+        slot = self.slot_of.get(row)
+        if slot is None:
+            slot = self.slot_of[row] = self.router.take_slot()
+        self._actor(slot).add.remote(self.key, row, _light(sample), text)
+
+    def wait(self, rows, samples: list[Sample], texts: list[str]) -> list[VerifierResult]:
+        """The results of `rows` (`samples`, `texts`: the whole batch's); rows never added are
+        sent now. A worker that died is replaced and its rows scored again."""
+        ray = self.router.ray
+        rows = list(rows)
+        by_slot: dict[int, list[int]] = {}
+        for row in rows:
+            if row not in self.slot_of:
+                self.slot_of[row] = self.router.take_slot()
+            by_slot.setdefault(self.slot_of[row], []).append(row)
+        refs = {}
+        for slot, mine in by_slot.items():
+            part_samples: list[Sample | None] = [None] * self.n_rows
+            part_texts: list[str | None] = [None] * self.n_rows
+            for row in mine:
+                part_samples[row], part_texts[row] = _light(samples[row]), texts[row]
+            actor = self._actor(slot)
+            refs[slot] = (actor, actor.wait.remote(self.key, mine, part_samples, part_texts))
+        out: dict[int, VerifierResult] = {}
+        for slot, (actor, ref) in refs.items():
+            mine = by_slot[slot]
+            try:
+                results = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self.router.replace(slot, actor, exc)
+                results = self.router.score([samples[r] for r in mine], [texts[r] for r in mine],
+                                            self.context).results  # fmt: skip
+            self.router.done(slot, len(mine))
+            out.update(zip(mine, results))
+        return [out[row] for row in rows]
 
     def result(self, samples: list[Sample], texts: list[str]) -> RewardBatch:
-        ray = self.router.ray
+        if len(samples) != len(texts) or len(texts) != self.n_rows:
+            raise ValueError(f"{len(samples)} samples, {len(texts)} responses, {self.n_rows} rows")
         try:
-            return ray.get(self.actor.result.remote(self.key, [_light(s) for s in samples], texts))
-        except ray.exceptions.RayActorError as exc:
-            self.router.replace(self.actor, exc)
-            return self.router.score(samples, texts, self.context)
+            return RewardBatch.gather(samples, self.wait(range(self.n_rows), samples, texts))
+        finally:
+            for actor in self.started.values():
+                with contextlib.suppress(Exception):
+                    actor.release.remote(self.key)
 
 
 class RayRouter:
-    """The router interface over the reward worker; a dead worker is replaced and its batch
-    scored again (logged with the worker's name)."""
+    """The router interface over the reward workers (`n_workers` slots; `start_worker(name,
+    slot)` starts one): rows are spread by load; a dead worker is replaced and its rows scored
+    again (logged with the worker's name)."""
 
-    def __init__(self, ray, start_worker, time_limit_s: float):
+    def __init__(self, ray, start_worker, time_limit_s: float, n_workers: int = 1):
+        if n_workers < 1:
+            raise ValueError(f"n_workers must be >= 1, got {n_workers}")
         self.ray, self.start_worker, self.time_limit_s = ray, start_worker, time_limit_s
-        self.generation = 0
         self.replacements = 0
-        self.actor = start_worker(self.name)
+        self._started = 0
+        self.names: list[str] = []
+        self.actors: list = []
+        for slot in range(n_workers):
+            self.names.append(self._next_name())
+            self.actors.append(start_worker(self.names[slot], slot))
+        self.waiting = [0] * n_workers  # rows sent to each slot and not collected yet
+        self._lock = threading.Lock()
+
+    def _next_name(self) -> str:
+        name = f"reward worker mmrl-reward-{self._started}"
+        self._started += 1
+        return name
+
+    @property
+    def actor(self):
+        """The first reward worker (the only one with `trainer.reward_workers=1`)."""
+        return self.actors[0]
 
     @property
     def name(self) -> str:
-        return f"reward worker mmrl-reward-{self.generation}"
+        return self.names[0]
+
+    def take_slot(self) -> int:
+        """The slot with the fewest rows waiting (the row is counted there)."""
+        with self._lock:
+            slot = min(range(len(self.actors)), key=lambda k: self.waiting[k])
+            self.waiting[slot] += 1
+            return slot
+
+    def done(self, slot: int, rows: int) -> None:
+        with self._lock:
+            self.waiting[slot] = max(0, self.waiting[slot] - rows)
 
     def start(self, context: VerifyContext, n_rows: int) -> RayPending:
         return RayPending(self, context, n_rows)
 
     def score(self, samples: list[Sample], texts: list[str], context: VerifyContext) -> RewardBatch:
+        """Score a whole batch, split evenly over the workers (errors are logged by them)."""
+        k = len(self.actors)
+        bounds = [round(i * len(samples) / k) for i in range(k + 1)]
+        parts = {
+            slot: (bounds[slot], bounds[slot + 1]) for slot in range(k) if bounds[slot + 1] > bounds[slot]
+        }
         light = [_light(s) for s in samples]
-        for _ in range(MAX_REWARD_RESTARTS + 1):
-            actor = self.actor
-            try:
-                return self.ray.get(actor.score.remote(light, texts, context))
-            except self.ray.exceptions.RayActorError as exc:
-                self.replace(actor, exc)
-        raise AssertionError("unreachable: replace() raises past MAX_REWARD_RESTARTS")
+        refs = {slot: (self.actors[slot], self.actors[slot].score.remote(light[a:b], texts[a:b], context))
+                for slot, (a, b) in parts.items()}  # fmt: skip
+        results: list[VerifierResult] = []
+        for slot, (a, b) in parts.items():
+            actor, ref = refs[slot]
+            for _ in range(MAX_REWARD_RESTARTS + 1):
+                try:
+                    results.extend(self.ray.get(ref).results)
+                    break
+                except self.ray.exceptions.RayActorError as exc:
+                    self.replace(slot, actor, exc)
+                    actor = self.actors[slot]
+                    ref = actor.score.remote(light[a:b], texts[a:b], context)
+        return RewardBatch.of(results, samples)
 
-    def replace(self, dead, exc: Exception) -> None:
-        """Start a new reward worker in place of `dead` (once, however many calls saw it die)."""
-        if dead is not self.actor:
+    def replace(self, slot: int, dead, exc: Exception) -> None:
+        """Start a new reward worker in slot `slot` in place of `dead` (once, however many calls
+        saw it die)."""
+        if dead is not self.actors[slot]:
             return  # already replaced
+        name = self.names[slot]
         if self.replacements >= MAX_REWARD_RESTARTS:
-            raise RuntimeError(f"{self.name} died ({exc}); {self.replacements} replacements already") from exc
-        log.warning("%s died (%s); starting a replacement and scoring its batch again", self.name, exc)
+            raise RuntimeError(f"{name} died ({exc}); {self.replacements} replacements already") from exc
+        log.warning("%s died (%s); starting a replacement and scoring its rows again", name, exc)
         with contextlib.suppress(Exception):
             self.ray.kill(dead, no_restart=True)
         self.replacements += 1
-        self.generation += 1
-        self.actor = self.start_worker(self.name)
-        _get(self.ray, [self.actor.warm_up.remote()], [self.name])
+        self.names[slot] = self._next_name()
+        self.actors[slot] = self.start_worker(self.names[slot], slot)
+        _get(self.ray, [self.actors[slot].warm_up.remote()], [self.names[slot]])
 
     def warm_up(self) -> float:
-        return _get(self.ray, [self.actor.warm_up.remote()], [self.name])[0]
+        return max(_get(self.ray, [a.warm_up.remote() for a in self.actors], self.names))
+
+    def scored(self) -> list[int]:
+        """Rows each reward worker returned results for (since it started)."""
+        return _get(self.ray, [a.scored.remote() for a in self.actors], self.names)
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.ray.get(self.actor.close.remote(), timeout=30)
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.get(actor.close.remote(), timeout=30)
 
 
 class RayTrainingGroup:
@@ -407,32 +522,38 @@ class RayCluster:
         self.threads = max(1, int(cpus))
         self.n_gpu_roles = tr.rollout_workers + tr.train_workers
         bundles = [{"CPU": cpus, **({"GPU": gpus} if gpus else {})} for _ in range(self.n_gpu_roles)]
-        bundles.append({"CPU": cpus})  # the reward worker
         from ray.util.placement_group import placement_group
 
         self.pg = placement_group(bundles, strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=READY_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
-                f"the Ray cluster cannot place {len(bundles)} actors of {cpus} CPU / {gpus} GPU each "
-                f"(it has {ray.cluster_resources()}): lower trainer.ray_cpus_per_actor or the worker counts"
-            ) from None
+        # The reward workers: CPU only, spread over the nodes so verifier throughput grows with them.
+        self.reward_pg = placement_group([{"CPU": cpus} for _ in range(tr.reward_workers)], strategy="SPREAD")
+        for pg, n, what in ((self.pg, len(bundles), f"{cpus} CPU / {gpus} GPU"),
+                            (self.reward_pg, tr.reward_workers, f"{cpus} CPU (reward workers)")):  # fmt: skip
+            try:
+                ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                self._remove_groups()
+                raise RuntimeError(
+                    f"the Ray cluster cannot place {n} actors of {what} each (it has "
+                    f"{ray.cluster_resources()}): lower trainer.ray_cpus_per_actor or the worker counts"
+                ) from None
         self.actors: list = []
         self.env = {"PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(self.threads)}  # fmt: skip
         if os.environ.get("MMRL_CACHE"):
             self.env["MMRL_CACHE"] = os.environ["MMRL_CACHE"]
 
-    def start(self, cls, bundle: int, gpu: bool, *args):
-        """Start an actor of `cls` in bundle `bundle` of the placement group."""
+    def start(self, cls, bundle: int, gpu: bool, *args, pg=None):
+        """Start an actor of `cls` in bundle `bundle` of the placement group (`pg`: another one,
+        the reward workers')."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        pg = self.pg if pg is None else pg
         remote = self.ray.remote(cls).options(
-            num_cpus=self.pg.bundle_specs[bundle]["CPU"],
-            num_gpus=self.pg.bundle_specs[bundle].get("GPU", 0) if gpu else 0,
+            num_cpus=pg.bundle_specs[bundle]["CPU"],
+            num_gpus=pg.bundle_specs[bundle].get("GPU", 0) if gpu else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=bundle
+                placement_group=pg, placement_group_bundle_index=bundle
             ),
             runtime_env={"env_vars": self.env},
             max_restarts=0,
@@ -441,20 +562,28 @@ class RayCluster:
         self.actors.append(actor)
         return actor
 
+    def start_reward_worker(self, cfg: Config, slot: int):
+        """A `RewardWorker` in bundle `slot` of the reward workers' placement group."""
+        return self.start(RewardWorker, slot, False, cfg, self.threads, pg=self.reward_pg)
+
     def shutdown(self, router: RayRouter | None = None) -> None:
         ray = self.ray
         if router is not None:
             router.close()
-            self.actors.append(router.actor)
+            self.actors.extend(router.actors)
         for actor in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        from ray.util.placement_group import remove_placement_group
-
-        with contextlib.suppress(Exception):
-            remove_placement_group(self.pg)
+        self._remove_groups()
         if self.started_ray:
             ray.shutdown()
+
+    def _remove_groups(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in (self.pg, self.reward_pg):
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
 
 
 def ray_composition(cfg: Config) -> Composition:
@@ -483,9 +612,8 @@ def make_ray_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -
         _get(ray, [w.setup.remote(cfg, model_path, r, tr.train_workers, address) for r, w in enumerate(train)],
              train_names)  # fmt: skip
         _get(ray, [w.pid.remote() for w in rollout], rollout_names)  # started
-        reward_bundle = cluster.n_gpu_roles
-        router = RayRouter(ray, lambda name: cluster.start(RewardWorker, reward_bundle, False, cfg, cluster.threads),
-                           cfg.reward.time_limit_s)  # fmt: skip
+        router = RayRouter(ray, lambda name, slot: cluster.start_reward_worker(cfg, slot),
+                           cfg.reward.time_limit_s, n_workers=tr.reward_workers)  # fmt: skip
     except BaseException:
         cluster.shutdown()
         raise

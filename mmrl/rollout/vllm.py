@@ -1,11 +1,16 @@
 """The vLLM rollout engine (GPU only, the `vllm` extra): the HF engine's interface on a vLLM `LLM`.
 
     engine = VLLMRolloutEngine.from_policy(policy, cfg)     # its own copy of the weights, on GPU
-    batch = engine.generate(samples, SamplingParams(n=8))    # a RolloutBatch, as the HF engine's
+    batch = engine.generate(samples, SamplingParams(n=8), on_response=score)  # a RolloutBatch
     engine.load_weights(policy.model.state_dict())           # after each update (full or LoRA)
 
-What it does, and where each piece lives (the pure pieces are tested on CPU without vLLM):
+Every loop takes it with `rollout.engine=vllm`: the synchronous loop colocates it with the
+trainer (`mmrl.train.colocated`), the asynchronous mode's generator and the Ray rollout workers
+hold one each. What it does, and where each piece lives (the pure pieces are tested on CPU
+without vLLM):
 
+    model          the policy's folder or hub id at `model.revision`, in `model.dtype` (`auto`:
+                   what mmrl's auto is on a GPU), `rollout.vllm_tensor_parallel_size` GPUs
     prompts        `vllm_prompts`: the policy processor's chat template, exactly the text the HF
                    engine feeds, with the sample's PIL images as `multi_modal_data`
     sampling       `vllm_sampling_kwargs`: n, temperature, max tokens, the sampled token's
@@ -13,13 +18,22 @@ What it does, and where each piece lives (the pure pieces are tested on CPU with
                    (`allowed_token_ids`); the engine is built with
                    `logprobs_mode="processed_logprobs"` so the log-probs are those of the
                    tempered, blocked softmax, the distribution the trainer recomputes
+    streaming      one request per prompt through vLLM's engine loop (`LLM.llm_engine`:
+                   `add_request`, then `step` until done, what `LLM.generate` does inside); a
+                   prompt's G responses go to `on_response` the step its request finishes, so
+                   the router scores them while the other prompts are still generating
     the batch      `rollout_from_vllm`: prompt ids, masks and vision inputs from the HF processor
                    (what the trainer's forward needs; vLLM's own prompt ids are checked equal),
                    response ids right padded, masked after the first stop token, log-probs per
                    token: the same tensors the HF engine returns for the same tokens
     weight sync    `weights_to_sync`: full weights (HF names, which vLLM's loaders map), LoRA
                    adapters merged into full weights, or the adapters alone (served as a
-                   `LoRARequest`); pushed into every vLLM worker with `collective_rpc`
+                   `LoRARequest`); full weights go to every vLLM worker (each tensor-parallel
+                   rank) by `collective_rpc("mmrl_load_weights", ...)`, a method of mmrl's
+                   worker extension (`mmrl.rollout.vllm_worker`, vLLM's `worker_extension_cls`)
+                   called by name with CPU tensors in the engine's dtype, in buckets of
+                   `SYNC_BUCKET_BYTES` (no pickled code: vLLM V1 needs no
+                   VLLM_ALLOW_INSECURE_SERIALIZATION)
     memory         with `rollout.vllm_sleep_level` > 0 the engine sleeps after each batch
                    (weights offloaded or dropped, KV cache freed) so training can use the GPU,
                    wakes its weights alone to load new ones, and wakes fully to generate; after
@@ -27,18 +41,18 @@ What it does, and where each piece lives (the pure pieces are tested on CPU with
                    Set 0 where the engine has its GPU to itself (separate rollout workers, the
                    asynchronous mode): sleeping there only costs time
 
-What is not tested here: anything that runs vLLM itself (our machines have no GPU). Responses
-are handed to `on_response` when the whole batch returns (vLLM's `LLM.generate` is not
-streamed), so scoring overlaps generation only across Ray rollout workers.
+What is not tested here: anything that runs vLLM itself (our machines have no GPU); the tests
+drive this module against a stand-in `vllm` module shaped like vLLM's API.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,13 +60,20 @@ from typing import Any
 import torch
 from transformers import ProcessorMixin
 
-from mmrl.models.loading import Policy
+from mmrl.models.loading import HUB_ID, Policy
+from mmrl.models.precision import DTYPES, resolve_dtype
 from mmrl.rollout.hf import SamplingParams, encode_prompts, prompt_batch, response_mask_from_stops
+from mmrl.rollout.vllm_worker import EXTENSION
 from mmrl.types import RolloutBatch, Sample
 
 INSTALL_HINT = "the vLLM rollout engine needs vLLM and a GPU: pip install 'mmrl[vllm]'"
 MIN_VLLM = "0.10.2"
 """The first vLLM whose `logprobs_mode` has `processed_logprobs`."""
+SYNC_BUCKET_BYTES = 512 * 2**20
+"""A weight sync sends the weights in messages of about this many bytes (at least one tensor
+each): the host holds one bucket at a time, not a copy of the model."""
+LOAD_METHOD = "mmrl_load_weights"
+"""The worker-extension method (`mmrl.rollout.vllm_worker`) a sync calls by name."""
 
 
 def import_vllm():
@@ -184,6 +205,13 @@ def completion_tensors(
     return response, mask, logprobs, truncated
 
 
+def response_texts(processor: ProcessorMixin, response: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Each row's kept ids (up to and including its stop token) decoded without special tokens:
+    the same text whether a row is decoded alone (streamed) or in the padded batch."""
+    rows = [ids[m.bool()].tolist() for ids, m in zip(response, mask)]
+    return processor.batch_decode(rows, skip_special_tokens=True)
+
+
 def check_prompt_ids(
     outputs: Sequence[Any], inputs: dict[str, torch.Tensor], samples: Sequence[Sample]
 ) -> None:
@@ -229,7 +257,7 @@ def rollout_from_vllm(
     response, mask, logprobs, truncated = completion_tensors(outputs, n, stop_token_ids, pad_token_id, greedy)
     batch.response_ids, batch.response_mask, batch.rollout_logprobs = response, mask, logprobs
     batch.truncated = truncated
-    batch.texts = processor.batch_decode(response, skip_special_tokens=True)
+    batch.texts = response_texts(processor, response, mask)
     if group_size != n:
         batch = select_rows(batch, [i for i in range(len(samples)) for _ in range(group_size)])
     batch.group_size = group_size
@@ -374,6 +402,20 @@ def check_state_keys(state_dict: dict[str, torch.Tensor], expected: set[str]) ->
         )
 
 
+def vllm_dtype(spec: str) -> str:
+    """vLLM's `dtype` for `model.dtype`: the named dtype; `auto` is what mmrl's `auto` gives on
+    a GPU (bfloat16 where supported; vLLM's own `auto` would run a float32 checkpoint in
+    float16). Without a GPU (where vLLM cannot run anyway) `auto` names bfloat16."""
+    if spec != "auto":
+        if spec not in DTYPES:
+            raise ValueError(f"model.dtype={spec!r}: choose auto, {', '.join(DTYPES)}")
+        return spec
+    if not torch.cuda.is_available():
+        return "bfloat16"
+    names = {v: k for k, v in DTYPES.items()}
+    return names[resolve_dtype("auto", torch.device("cuda"))]
+
+
 def llm_kwargs(
     model_path: str,
     gpu_memory_utilization: float,
@@ -382,18 +424,25 @@ def llm_kwargs(
     seed: int,
     lora: LoraSpec | None,
     mode: str,
+    dtype: str = "bfloat16",
+    revision: str | None = None,
+    tensor_parallel_size: int = 1,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """Keyword arguments of `vllm.LLM` (`overrides` last: tensor_parallel_size, max_model_len...)."""
+    """Keyword arguments of `vllm.LLM` (`overrides` last: max_model_len, enforce_eager...)."""
     kw: dict[str, Any] = {
         "model": model_path,
         "tokenizer": model_path,
-        "dtype": "auto",
+        "revision": revision,
+        "tokenizer_revision": revision,
+        "dtype": dtype,
+        "tensor_parallel_size": tensor_parallel_size,
         "gpu_memory_utilization": gpu_memory_utilization,
         "enable_sleep_mode": sleep_level > 0,
         "limit_mm_per_prompt": {"image": max_images},
         "seed": seed,
         "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": EXTENSION,
     }
     if mode == "adapter" and lora is not None:
         kw.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
@@ -401,17 +450,28 @@ def llm_kwargs(
     return kw
 
 
-# ---------------------------------------------------------------------------------------------
-# On the vLLM worker (sent by `collective_rpc`; must stay importable without vLLM)
-# ---------------------------------------------------------------------------------------------
-
-
-def load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs in each vLLM worker: its model's own loader maps HF names and shards for tensor
-    parallelism. Returns how many tensors it was given."""
-    model = worker.model_runner.model
-    model.load_weights(weights=weights)
-    return len(weights)
+def weight_buckets(
+    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_bytes: int = SYNC_BUCKET_BYTES
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`(name, tensor)` pairs as host tensors in vLLM's dtype (floating-point ones cast, on their
+    own device first, so a GPU policy copies half the bytes of float32 master weights), grouped
+    into lists of at most `max_bytes` (a larger tensor goes alone). One bucket is materialised
+    at a time."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        tensor = tensor.detach()
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        tensor = tensor.to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,6 +498,9 @@ class VLLMRolloutEngine:
         sleep_level: int = 1,
         max_images: int = 4,
         seed: int = 0,
+        dtype: str = "auto",
+        revision: str | None = None,
+        tensor_parallel_size: int = 1,
         **overrides: Any,
     ):
         vllm = import_vllm()
@@ -453,8 +516,12 @@ class VLLMRolloutEngine:
                 "rollout.vllm_sleep_level=2 drops vLLM's base weights, which LoRA adapter sync never "
                 "sends again: use rollout.vllm_sleep_level=1"
             )
+        if tensor_parallel_size < 1:
+            raise ValueError(f"rollout.vllm_tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         self.sleep_level = sleep_level
         self.max_images = max_images
+        self.dtype_name = vllm_dtype(dtype)
+        self.dtype = DTYPES[self.dtype_name]
         self.allowed = allowed_token_ids(blocked, len(processor.tokenizer))
         self._lora_dir = None
         if self.mode == "adapter":
@@ -462,40 +529,47 @@ class VLLMRolloutEngine:
             weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
         self._lora_request = None
         self._version = 0
+        self._requests = itertools.count()  # request ids, unique over the engine's life
         self._asleep: set[str] = set()  # the sleeping parts: "weights", "kv_cache"
         self._weights_lost = False  # level 2 discarded the weights; the last sync is sent again
-        self._last_sync: list[tuple[str, torch.Tensor]] | None = None
+        self._last_sync: list[list[tuple[str, torch.Tensor]]] | None = None
         kwargs = llm_kwargs(
-            model_path, gpu_memory_utilization, sleep_level, max_images, seed, lora, self.mode, **overrides
-        )
+            model_path, gpu_memory_utilization, sleep_level, max_images, seed, lora, self.mode,
+            dtype=self.dtype_name, revision=revision, tensor_parallel_size=tensor_parallel_size,
+            **overrides,
+        )  # fmt: skip
         try:
             self.llm = vllm.LLM(**kwargs)
         except TypeError as exc:
-            if "logprobs_mode" in str(exc):
+            if "logprobs_mode" in str(exc) or "worker_extension_cls" in str(exc):
                 raise ImportError(
                     f"mmrl needs vllm>={MIN_VLLM} (logprobs_mode=processed_logprobs: log-probs of the "
-                    f"tempered distribution): pip install -U 'mmrl[vllm]'"
+                    f"tempered distribution; worker_extension_cls: weight sync): pip install -U 'mmrl[vllm]'"
                 ) from exc
             raise
 
     @classmethod
     def from_policy(cls, policy: Policy, cfg: Any = None, **overrides: Any) -> VLLMRolloutEngine:
-        """An engine on the policy's model folder (vLLM loads its own copy; `load_weights` makes
-        it the policy's). `cfg`: a `Config` (rollout.vllm_*, trainer.seed), or None for defaults.
+        """An engine on the policy's model folder or hub id (vLLM loads its own copy;
+        `load_weights` makes it the policy's). `cfg`: a `Config` (rollout.vllm_*, model.dtype,
+        model.revision, trainer.seed), or None for defaults.
         """
-        from mmrl.config import RolloutConfig
+        from mmrl.config import Config
 
         model = policy.model
         lora = lora_spec(model)
         base = model.get_base_model() if lora is not None else model
         model_path = str(getattr(base, "name_or_path", "") or "")
-        if not (Path(model_path) / "config.json").exists():
+        local = Path(model_path).expanduser()
+        if local.is_dir() and (local / "config.json").exists():
+            model_path = str(local)
+        elif local.exists() or not model_path or not HUB_ID.fullmatch(model_path):
             raise ValueError(
-                f"vLLM loads the policy from its folder; {model_path!r} is not one (save the model with "
-                "save_pretrained and load it with mmrl.models.loading.load_policy)"
+                f"vLLM loads the policy from its folder or hub id; {model_path!r} is neither (save the "
+                "model and processor with save_pretrained and load them with mmrl.models.loading.load_policy)"
             )
-        r = cfg.rollout if cfg is not None else RolloutConfig()
-        seed = cfg.trainer.seed if cfg is not None else 0
+        cfg = cfg if cfg is not None else Config()
+        r = cfg.rollout
         return cls(
             model_path,
             policy.processor,
@@ -507,7 +581,10 @@ class VLLMRolloutEngine:
             adapters_only=only_adapters_train(model),
             gpu_memory_utilization=r.vllm_gpu_memory_utilization,
             sleep_level=r.vllm_sleep_level,
-            seed=seed,
+            seed=cfg.trainer.seed,
+            dtype=cfg.model.dtype,
+            revision=cfg.model.revision,
+            tensor_parallel_size=r.vllm_tensor_parallel_size,
             **overrides,
         )
 
@@ -534,6 +611,11 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=sorted(parts))
         self._asleep -= parts
 
+    @property
+    def asleep(self) -> bool:
+        """Whether any part (weights, KV cache) is asleep."""
+        return bool(self._asleep)
+
     # -- weights --
 
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -548,21 +630,22 @@ class VLLMRolloutEngine:
             self._publish_adapter(weights)
         else:
             self.wake(["weights"])
-            items = [(k, v.detach().cpu()) for k, v in weights.items()]
-            self._call_workers(load_weights_on_worker, items)
+            kept = []
+            for bucket in weight_buckets(weights.items(), self.dtype):
+                self._push(bucket)
+                if self.sleep_level == 2:  # host copies, to refill the weights a sleep drops
+                    kept.append(bucket)
             self._weights_lost = False
-            if self.sleep_level == 2:  # kept (references, not copies) to refill dropped weights
-                self._last_sync = items
+            self._last_sync = kept if self.sleep_level == 2 else None
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if reset is not None:  # cached prompt prefixes hold the old weights' keys and values
             reset()
 
-    def _call_workers(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        rpc = getattr(self.llm, "collective_rpc", None)
-        if rpc is not None:
-            return list(rpc(fn, args=args))
-        worker = self.llm.llm_engine.model_executor.driver_worker  # vLLM before collective_rpc
-        return [fn(worker, *args)]
+    def _push(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket into every worker, through the worker extension's method (by name)."""
+        counts = list(self.llm.collective_rpc(LOAD_METHOD, args=(bucket,)))
+        if any(c != len(bucket) for c in counts):
+            raise RuntimeError(f"vLLM workers loaded {counts} tensors of a bucket of {len(bucket)}")
 
     def _publish_adapter(self, weights: dict[str, torch.Tensor]) -> None:
         """Save the adapters as a PEFT folder and serve them under a new LoRA id."""
@@ -594,9 +677,12 @@ class VLLMRolloutEngine:
     ) -> RolloutBatch:
         """G = params.n responses per sample; rows are prompt-major ([B x G]).
 
-        `on_response(row, text)` is called for every row once the batch returns.
+        `on_response(row, text)` is called for each of a prompt's G rows as soon as vLLM
+        finishes that prompt's request, while the other prompts are still being generated.
         """
         vllm = import_vllm()
+        from vllm.sampling_params import RequestOutputKind
+
         if self._weights_lost:  # level-2 sleep and no sync since: send the last weights again
             if self._last_sync is None:
                 raise RuntimeError(
@@ -604,21 +690,66 @@ class VLLMRolloutEngine:
                     "load_weights first, or use rollout.vllm_sleep_level=1"
                 )
             self.wake(["weights"])
-            self._call_workers(load_weights_on_worker, self._last_sync)
+            for bucket in self._last_sync:
+                self._push(bucket)
             self._weights_lost = False
         self.wake()
         prompts = vllm_prompts(self.processor, samples, self.max_images)
-        sampling = vllm.SamplingParams(**vllm_sampling_kwargs(params, self.stop_token_ids, self.allowed))
-        extra = {"lora_request": self._lora_request} if self._lora_request is not None else {}
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False, **extra)
-        self.sleep()
-        batch = rollout_from_vllm(
+        sampling = vllm.SamplingParams(
+            **vllm_sampling_kwargs(params, self.stop_token_ids, self.allowed),
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, once it is done
+        )
+        G, n = params.n, 1 if params.greedy else params.n
+
+        def finished(i: int, output: Any) -> None:
+            if on_response is None:
+                return
+            response, mask, _, _ = completion_tensors(
+                [output], n, self.stop_token_ids, self.pad_token_id, params.greedy
+            )
+            texts = response_texts(self.processor, response, mask)
+            for j in range(G):  # greedy: the one completion is each of the G rows
+                on_response(i * G + j, texts[j if n == G else 0])
+
+        try:
+            outputs = self._run(prompts, sampling, finished)
+        finally:
+            self.sleep()
+        return rollout_from_vllm(
             outputs, samples, self.processor, params.n, self.stop_token_ids, self.pad_token_id, params.greedy
         )
-        if on_response is not None:
-            for row, text in enumerate(batch.texts):
-                on_response(row, text)
-        return batch
+
+    def _run(
+        self, prompts: list[dict[str, Any]], sampling: Any, finished: Callable[[int, Any], None]
+    ) -> list[Any]:
+        """vLLM's engine loop over one request per prompt (what `LLM.generate` runs inside),
+        calling `finished(i, output)` the step prompt i's request finishes; the outputs in
+        prompt order. On an error the requests still running are aborted."""
+        engine = self.llm.llm_engine
+        call = next(self._requests)
+        ids = [f"mmrl-{call}-{i}" for i in range(len(prompts))]
+        index = {rid: i for i, rid in enumerate(ids)}
+        outputs: list[Any] = [None] * len(prompts)
+        extra = {"lora_request": self._lora_request} if self._lora_request is not None else {}
+        try:
+            for rid, prompt in zip(ids, prompts):
+                engine.add_request(rid, prompt, sampling, **extra)
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    i = index.get(output.request_id)
+                    if i is None or not output.finished:
+                        continue
+                    outputs[i] = output
+                    finished(i, output)
+        except BaseException:
+            running = [rid for rid, out in zip(ids, outputs) if out is None]
+            if running:
+                engine.abort_request(running)
+            raise
+        missing = [i for i, out in enumerate(outputs) if out is None]
+        if missing:
+            raise RuntimeError(f"vLLM's engine stopped without an output for prompts {missing[:10]}")
+        return outputs
 
     def close(self) -> None:
         if self._lora_dir is not None:

@@ -21,6 +21,14 @@ Switching mmrl's trainer to a remote reward service:
     pending = router.start(context, n_rows)      # same calls as Router
     pending.add(row, sample, text)
     batch = pending.result(samples, texts)       # a RewardBatch
+
+Several servers (`RewardServerPool`, what `RemoteRouter` builds from a list of URLs): each
+request goes to the answering server with the fewest requests in flight (ties: the one that has
+scored the fewest responses); a server that fails a request (unreachable, timing out, busy) is
+skipped for a back-off that doubles with each failure in a row (`backoff_s` .. `max_backoff_s`)
+and then tried again, and the request goes to another server at once, so no reward is lost
+while any server answers. Only when every server has failed `retries + 1` times for one request
+does it raise `RewardServiceUnavailable`.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from mmrl.server.protocol import result_from_json, sample_to_record
@@ -250,6 +259,17 @@ class RewardClient:
     def metrics(self) -> str:
         return self.request("GET", "/metrics")
 
+    def probe_ready(self) -> dict[str, Any] | None:
+        """One `GET /ready` without retries: the readiness answer, or None if the server is not
+        ready or does not answer."""
+        import httpx
+
+        try:
+            response = self._http.get(self.url + "/ready")
+        except httpx.TransportError:
+            return None
+        return response.json() if response.status_code == 200 else None
+
     def wait_ready(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> dict[str, Any]:
         """Poll `/ready` until a verifier worker is warm; `RewardServiceUnavailable` after `timeout_s`."""
         import httpx
@@ -293,6 +313,199 @@ def _seconds(value: str | None) -> float | None:
         return float(value) if value is not None else None
     except ValueError:
         return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Several servers
+
+
+@dataclass
+class ServerState:
+    """One server of a `RewardServerPool`: its client, load and health."""
+
+    client: RewardClient
+    in_flight: int = 0
+    """Requests sent to it and not answered yet."""
+    requests: int = 0
+    """Requests it answered."""
+    responses: int = 0
+    """Responses it scored (in the requests it answered)."""
+    failures: int = 0
+    """Requests it failed in a row (0: healthy)."""
+    failed_total: int = 0
+    """Requests it failed in all (each was sent to another server)."""
+    skip_until: float = 0.0
+    """Not sent requests before this time (`clock()`), after a failure."""
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+
+class RewardServerPool:
+    """Several `mmrl serve` servers behind `RewardClient`'s calls (`score`, `score_records`,
+    `wait_ready`), as `RemoteRouter` uses them (module docs: how requests are spread and
+    failures skipped).
+
+    Args:
+        urls: the servers (two or more, distinct). token: their bearer token ($MMRL_REWARD_TOKEN).
+        retries: failed attempts per server a request may use before it gives up (each server
+            is tried `retries + 1` times in all); the servers' own clients do not retry.
+        backoff_s, max_backoff_s: a server that fails is skipped for `backoff_s`, doubled with
+            each failure in a row, at most `max_backoff_s`.
+        clock, sleep: time and waiting (tests); **client_options: passed to each `RewardClient`.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        token: str | None = None,
+        *,
+        retries: int = 3,
+        backoff_s: float = 0.25,
+        max_backoff_s: float = 8.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        **client_options: Any,
+    ):
+        urls = [base_url(u) for u in urls]
+        if len(urls) < 2:
+            raise ValueError(f"a pool needs two or more reward servers, got {urls}")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"reward server listed twice: {urls}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.servers = [ServerState(RewardClient(u, token, retries=0, **client_options)) for u in urls]
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        """The servers' URLs (for messages)."""
+        return ", ".join(s.url for s in self.servers)
+
+    # -- choosing a server
+
+    def _acquire(self) -> ServerState | float:
+        """The server to send the next request to (its `in_flight` counted), or, while every
+        server is being skipped, the seconds until the first may be tried again."""
+        with self._lock:
+            now = self._clock()
+            up = [s for s in self.servers if s.skip_until <= now]
+            if not up:
+                return min(s.skip_until for s in self.servers) - now
+            server = min(up, key=lambda s: (s.in_flight, s.responses))
+            server.in_flight += 1
+            return server
+
+    def _answered(self, server: ServerState, responses: int) -> None:
+        with self._lock:
+            server.in_flight -= 1
+            server.requests += 1
+            server.responses += responses
+            if server.failures:
+                log.info("reward server %s answers again", server.url)
+            server.failures = 0
+            server.skip_until = 0.0
+
+    def _failed(self, server: ServerState, error: Exception) -> None:
+        with self._lock:
+            server.in_flight -= 1
+            server.failures += 1
+            server.failed_total += 1
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (server.failures - 1))
+            server.skip_until = self._clock() + delay
+        log.warning(
+            "reward server %s did not answer (%s): its requests go to the others; tried again in %.2fs "
+            "(failure %d in a row)",
+            server.url, error, delay, server.failures,
+        )  # fmt: skip
+
+    def _call(self, fn: Callable[[RewardClient], Any], responses: int) -> Any:
+        """`fn(client)` on one server after another until one answers (see the class docs)."""
+        attempts, limit = 0, (self.retries + 1) * len(self.servers)
+        errors: list[str] = []
+        while True:
+            server = self._acquire()
+            if not isinstance(server, ServerState):
+                self._sleep(max(0.0, server))  # every server is being skipped: wait for the first
+                continue
+            try:
+                answer = fn(server.client)
+            except RewardServiceUnavailable as exc:
+                self._failed(server, exc)
+                attempts += 1
+                errors.append(f"{server.url}: {exc}")
+                if attempts >= limit:
+                    raise RewardServiceUnavailable(
+                        f"no reward server answered after {attempts} attempts over {len(self.servers)} "
+                        f"servers; last errors: {'; '.join(errors[-len(self.servers) :])}"
+                    ) from exc
+                continue
+            except BaseException:
+                with self._lock:
+                    server.in_flight -= 1
+                raise
+            self._answered(server, responses)
+            return answer
+
+    # -- RewardClient's calls
+
+    def score(
+        self, samples: Sequence[Sample], responses: Sequence[str], context: VerifyContext | None = None
+    ) -> list[VerifierResult]:
+        """`RewardClient.score` on the least loaded answering server."""
+        return self._call(lambda c: c.score(samples, responses, context), len(responses))
+
+    def score_records(
+        self,
+        records: Sequence[dict],
+        responses: Sequence[str],
+        context: VerifyContext | None = None,
+        sample_index: Sequence[int] | None = None,
+    ) -> list[dict]:
+        """`RewardClient.score_records` on the least loaded answering server."""
+        return self._call(
+            lambda c: c.score_records(records, responses, context, sample_index), len(responses)
+        )
+
+    def wait_ready(self, timeout_s: float = 120.0, poll_s: float = 0.2) -> dict[str, Any]:
+        """Wait until a server is ready; the servers not ready then are skipped (and tried again
+        later, as after a failure). Returns `verifiers`: those every ready server has, and
+        `servers_ready`. `RewardServiceUnavailable` if none is ready after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answers = [(s, s.client.probe_ready()) for s in self.servers]
+            ready = [(s, a) for s, a in answers if a is not None]
+            if ready:
+                break
+            if time.monotonic() >= deadline:
+                raise RewardServiceUnavailable(f"no reward server of {self.url} ready after {timeout_s:g}s")
+            time.sleep(poll_s)
+        for server, answer in answers:
+            if answer is None:
+                self._failed(server, RewardServiceUnavailable("not ready at start"))
+        verifiers = set.intersection(*(set(a.get("verifiers", [])) for _, a in ready))
+        return {"verifiers": sorted(verifiers), "servers_ready": len(ready)}
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per server: url, requests and responses answered, failures (in a row, in all), whether
+        it is being skipped now."""
+        with self._lock:
+            now = self._clock()
+            return [
+                {"url": s.url, "requests": s.requests, "responses": s.responses, "in_flight": s.in_flight,
+                 "failures": s.failures, "failed_total": s.failed_total, "skipped": s.skip_until > now}
+                for s in self.servers
+            ]  # fmt: skip
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.client.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,37 +569,48 @@ class RemotePendingRewards:
 
 
 class RemoteRouter:
-    """`mmrl.router.Router`'s interface (`start`, `submit`, `score`, `warm_up`, `close`) on a
-    remote `mmrl serve`: the trainer switches by constructing this instead of a `Router`.
+    """`mmrl.router.Router`'s interface (`start`, `submit`, `score`, `warm_up`, `close`) on
+    remote `mmrl serve` servers: the trainer switches by constructing this instead of a `Router`.
 
     Args:
-        url: the server (default: $MMRL_REWARD_URL); token: its bearer token ($MMRL_REWARD_TOKEN).
+        url: the server (default: $MMRL_REWARD_URL), or a list of servers (a `RewardServerPool`);
+            token: their bearer token ($MMRL_REWARD_TOKEN).
         time_limit_s: accepted for symmetry with `Router`; the server enforces its own limit.
         plugins: accepted for symmetry; the server must have been started with them.
         batch_size: rows per request while responses stream in (`result()` sends the rest).
-        max_in_flight: concurrent requests.
-        client: a ready `RewardClient` (then url/token/timeouts are ignored).
-        **client_options: passed to `RewardClient` (timeout_s, retries, backoff_s, ...).
+        max_in_flight: concurrent requests (default: 4 per server).
+        client: a ready `RewardClient` or `RewardServerPool` (then url/token/timeouts are ignored).
+        **client_options: passed to `RewardClient` / `RewardServerPool` (timeout_s, retries,
+            backoff_s, ...).
     """
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | Sequence[str] | None = None,
         token: str | None = None,
         time_limit_s: float = 5.0,
         plugins: list[str] | tuple[str, ...] = (),
         *,
         batch_size: int = 64,
-        max_in_flight: int = 4,
-        client: RewardClient | None = None,
+        max_in_flight: int | None = None,
+        client: RewardClient | RewardServerPool | None = None,
         **client_options: Any,
     ):
-        self.client = client or RewardClient(url, token, **client_options)
+        if client is None:
+            urls = [url] if url is None or isinstance(url, str) else list(url)
+            if len(urls) > 1:
+                client = RewardServerPool(urls, token, **client_options)
+            else:
+                client = RewardClient(urls[0] if urls else None, token, **client_options)
+        self.client = client
         self.time_limit_s = time_limit_s
         self.plugins = tuple(plugins)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
+        n_servers = len(client.servers) if isinstance(client, RewardServerPool) else 1
         self._executor = ThreadPoolExecutor(
-            max_workers=max_in_flight, thread_name_prefix="mmrl-remote-reward"
+            max_workers=max_in_flight or 4 * n_servers, thread_name_prefix="mmrl-remote-reward"
         )
 
     def start(self, context: VerifyContext, n_rows: int) -> RemotePendingRewards:

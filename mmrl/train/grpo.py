@@ -154,7 +154,8 @@ class Trainee:
 class Composition:
     """How a run is put together from the same pieces: what builds the trainee and what one step
     is. The default is the single-process, on-policy loop; `trainer.backend=ray`
-    (`mmrl.distributed.ray_backend`) and `trainer.mode=async` (`mmrl.train.async_grpo`) swap them."""
+    (`mmrl.distributed.ray_backend`), `trainer.mode=async` (`mmrl.train.async_grpo`) and
+    `rollout.engine=vllm` in the on-policy loop (`mmrl.train.colocated`) swap them."""
 
     make_trainee: Callable[[Config, Policy, Path | None], Trainee]
     step: Callable[..., dict[str, float]]
@@ -170,6 +171,10 @@ def composition(cfg: Config) -> Composition:
         from mmrl.train.async_grpo import async_composition
 
         return async_composition(cfg)
+    if cfg.rollout.engine == "vllm":
+        from mmrl.train.colocated import colocated_composition
+
+        return colocated_composition(cfg)
     return Composition(make_trainee=make_trainee, step=grpo_step)
 
 
@@ -981,7 +986,9 @@ def make_router(cfg: Config) -> Router:
     if r.remote_url:
         from mmrl.server.client import RemoteRouter
 
-        return RemoteRouter(r.remote_url, time_limit_s=r.time_limit_s, plugins=r.plugins)
+        return RemoteRouter(
+            r.remote_url, time_limit_s=r.time_limit_s, plugins=r.plugins, batch_size=r.remote_batch_size
+        )
     return Router(r.num_workers, r.time_limit_s, r.plugins)
 
 
