@@ -111,9 +111,11 @@ class DataConfig:
     num_heldout: int = 512
     """Procedural held-out samples (greedy evaluation)."""
     train_files: list[str] = field(default_factory=list)
-    """JSONL / Parquet files of samples; replace the procedural training data when set."""
+    """Training samples, replacing the procedural data when set: JSONL / Parquet files, or
+    datasets by name (`mmrl.datasets.sources`): hub ids `org/name@split?config=..&revision=..`,
+    local hub copies, `save_to_disk` folders; mmrl/V-Triune, veRL and EasyR1 layouts."""
     heldout_files: list[str] = field(default_factory=list)
-    """JSONL / Parquet files of held-out samples."""
+    """Held-out samples, in the same forms as `train_files`."""
     image_size: int = 64
     """Side of the procedural images in pixels."""
     seed: int = 0
