@@ -105,7 +105,13 @@ def parse_source(entry: str) -> SourceSpec:
     if not path:
         raise ValueError(f"data source {entry!r}: no dataset before '@'")
     spec = SourceSpec(path=path, split=split or None)
-    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+    try:
+        options = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ValueError(
+            f"data source {entry!r}: options after '?' must be key=value pairs joined by '&'"
+        ) from None
+    for key, value in options:
         if key not in _OPTIONS:
             raise ValueError(
                 f"data source {entry!r}: unknown option {key!r} (known: {', '.join(sorted(_OPTIONS))})"

@@ -116,6 +116,7 @@ def test_a_hub_layout_dataset_saved_locally_trains_for_a_few_steps(mmrl_cache, l
             "trainer.progress=false",
             "trainer.save_final=false",
             "trainer.threads=1",
+            "reward.num_workers=0",  # verifiers in this process: no worker to start
             f"trainer.run_dir={tmp_path / 'run'}",
         ],
     )
@@ -162,6 +163,8 @@ def test_unknown_layouts_splits_and_options_are_errors_naming_them(local_dataset
         read_source(str(local_datasets / "orsta"))
     with pytest.raises(ValueError, match=r"orsta@validation.*validation.*'train', 'test'"):
         read_source(f"{local_datasets / 'orsta'}@validation")
+    with pytest.raises(ValueError, match=r"must be key=value pairs"):
+        parse_source("org/name@train?streaming")
     with pytest.raises(ValueError, match=r"unknown option 'revison'"):
         parse_source("org/name@train?revison=main")
     spec = parse_source("org/name@train?config=default&revision=abc123&streaming=true&max_samples=10")

@@ -38,6 +38,7 @@ SHORT = [
     "trainer.save_final=false",
     "trainer.threads=1",
     "trainer.checkpoint_every=1",
+    "reward.num_workers=0",  # verifiers in this process: no worker to start (what is tested is logging)
 ]
 
 
@@ -78,12 +79,12 @@ def _tracker_overrides(store: Path, experiment: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def grpo_runs(mmrl_cache, tracker_env, tmp_path_factory):
-    """A 2-step GRPO run, then the same run resumed (`trainer.resume=auto`) to 3 steps."""
+    """A 1-step GRPO run, then the same run resumed (`trainer.resume=auto`) to 2 steps."""
     run_dir, store = tmp_path_factory.mktemp("tracked") / "run", tracker_env
     base = [*SHORT, *_tracker_overrides(store, "grpo"), f"trainer.run_dir={run_dir}"]
-    train(load_config("vision_reasoning", overrides=[*base, "trainer.total_steps=2"]))
+    train(load_config("vision_reasoning", overrides=[*base, "trainer.total_steps=1"]))
     first_ids = json.loads((run_dir / "trackers.json").read_text())
-    train(load_config("vision_reasoning", overrides=[*base, "trainer.total_steps=3", "trainer.resume=auto"]))
+    train(load_config("vision_reasoning", overrides=[*base, "trainer.total_steps=2", "trainer.resume=auto"]))
     return run_dir, store, first_ids
 
 
@@ -160,14 +161,14 @@ def test_wandb_offline_holds_every_metric_the_config_and_the_curves_and_resumes_
     first, resumed = (_wandb_run(f) for f in folders)
     assert first["id"] == resumed["id"] == ids["wandb"]["id"]
     # The config as the run's parameters; the resumed run's config is the resumed one.
-    assert first["config"]["trainer"]["total_steps"] == 2
-    assert resumed["config"]["trainer"]["total_steps"] == 3
+    assert first["config"]["trainer"]["total_steps"] == 1
+    assert resumed["config"]["trainer"]["total_steps"] == 2
     assert first["config"]["rollout"]["group_size"] == 2
-    # Every metric under its own name at its step, with its value: steps 0-2, then 3.
+    # Every metric under its own name at its step, with its value: steps 0-1, then 2.
     expected = _jsonl_by_step(run_dir)
-    assert sorted(expected) == [0, 1, 2, 3]
+    assert sorted(expected) == [0, 1, 2]
     history = {**first["history"], **resumed["history"]}
-    assert sorted(first["history"]) == [0, 1, 2] and sorted(resumed["history"]) == [3]
+    assert sorted(first["history"]) == [0, 1] and sorted(resumed["history"]) == [2]
     for step, metrics in expected.items():
         row = history[step]
         missing = sorted(set(metrics) - set(row))
@@ -175,7 +176,7 @@ def test_wandb_offline_holds_every_metric_the_config_and_the_curves_and_resumes_
         for key, value in metrics.items():
             assert row[key] == pytest.approx(value, rel=1e-9, abs=1e-12), (step, key)
     # The training-curve PNG as media, at the last step of each run, its file kept.
-    for run, folder, step in ((first, folders[0], 2), (resumed, folders[1], 3)):
+    for run, folder, step in ((first, folders[0], 1), (resumed, folders[1], 2)):
         row = run["history"][step]
         assert row["plots/training_curves/_type"] == "image-file"
         assert (folder / "files" / row["plots/training_curves/path"]).stat().st_size > 0
@@ -195,7 +196,7 @@ def test_mlflow_holds_every_metric_the_params_and_the_curves_and_resumes_the_sam
     assert run.info.status == "FINISHED"
     assert len(client.search_runs([run.info.experiment_id])) == 1  # resumed into, not a second run
     # Parameters: the flattened config, first values kept; the resumed config as an artifact.
-    assert run.data.params["trainer.total_steps"] == "2"
+    assert run.data.params["trainer.total_steps"] == "1"
     assert run.data.params["rollout.group_size"] == "2"
     assert json.loads(run.data.params["trainer.loggers"]) == ["jsonl", "tensorboard", *TRACKERS]
     expected = _jsonl_by_step(run_dir)
@@ -207,7 +208,7 @@ def test_mlflow_holds_every_metric_the_params_and_the_curves_and_resumes_the_sam
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.yaml", "plots"} <= artifacts
     config_text = Path(client.download_artifacts(run_id, "config.yaml", str(run_dir / "dl"))).read_text()
-    assert "total_steps: 3" in config_text
+    assert "total_steps: 2" in config_text
     assert [a.path for a in client.list_artifacts(run_id, "plots")] == ["plots/training_curves.png"]
 
 
@@ -328,3 +329,26 @@ def test_a_tracker_failing_mid_run_is_reported_and_dropped_while_jsonl_goes_on(m
     assert Flaky.closed == ["failed"]  # dropped at once, and not closed a second time
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert json.loads((tmp_path / "trackers.json").read_text()) == {"wandb": {"id": "flaky-1"}}
+
+
+def test_a_resume_may_change_where_metrics_go_but_not_what_is_trained(tmp_path):
+    from mmrl.config import config_to_yaml
+    from mmrl.train.flow_checkpoint import check_config_unchanged
+    from mmrl.train.flow_config import flow_config_to_yaml, load_flow_config
+    from mmrl.train.preflight import check_resume_config
+
+    (tmp_path / "config.yaml").write_text(config_to_yaml(load_config("vision_reasoning")))
+    moved = [
+        "trainer.loggers=[jsonl,wandb,mlflow]",
+        "trainer.wandb.project=p2",
+        "trainer.mlflow.experiment=e2",
+    ]
+    check_resume_config(load_config("vision_reasoning", overrides=moved), tmp_path)
+    with pytest.raises(ValueError, match="optim.lr"):
+        check_resume_config(load_config("vision_reasoning", overrides=[*moved, "optim.lr=1e-3"]), tmp_path)
+    (tmp_path / "config.yaml").write_text(flow_config_to_yaml(load_flow_config("text_to_image")))
+    check_config_unchanged(load_flow_config("text_to_image", overrides=moved), tmp_path)
+    with pytest.raises(ValueError, match="optim.lr"):
+        check_config_unchanged(
+            load_flow_config("text_to_image", overrides=[*moved, "optim.lr=1e-3"]), tmp_path
+        )

@@ -304,20 +304,6 @@ def mlflow_key(name: str) -> str:
     return "/".join(parts) or "_"
 
 
-def flatten_config(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """`{"a": {"b": 1}}` -> `{"a.b": 1}` (lists stay values)."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value:
-            out.update(flatten_config(value, name))
-        else:
-            out[name] = value
-    return out
-
-
 class MlflowTracker(Tracker):
     """MLflow through its own client (`MlflowClient`, no global active run): one run in
     `trainer.mlflow.experiment`, the config flattened into parameters (`trainer.total_steps`)
@@ -332,6 +318,8 @@ class MlflowTracker(Tracker):
         except ImportError:
             raise _missing("mlflow", "mlflow") from None
         from mlflow.entities import Metric
+
+        from mmrl.train.preflight import flatten
 
         self._metric = Metric
         import mlflow
@@ -375,7 +363,7 @@ class MlflowTracker(Tracker):
                 ) from exc
             logged = {}
         self.run_id = run.info.run_id
-        params = {k: _param_value(v) for k, v in flatten_config(config).items()}
+        params = {k: _param_value(v) for k, v in flatten(config).items()}
         changed = sorted(k for k in params if k in logged and logged[k] != params[k])
         if changed:
             log.warning(
