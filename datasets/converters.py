@@ -466,7 +466,9 @@ def vtriune_record(
 
 
 def _vtriune_params(verifier: Any, params: dict[str, Any], fail) -> dict[str, Any]:
-    params = {k: v for k, v in params.items() if k not in VTRIUNE_RUNTIME_PARAMS}
+    # A null value is an absent one: a Parquet struct column (`verifier_parm` read as a struct
+    # rather than a JSON string) gives every row every key, null where the row has none.
+    params = {k: v for k, v in params.items() if k not in VTRIUNE_RUNTIME_PARAMS and v is not None}
     if verifier == "detection":
         if "det_verifier_normalized" in params:
             normalized = params.pop("det_verifier_normalized")

@@ -19,11 +19,14 @@ main options (any config field can be set as key=value; see configs/<task>.yaml)
   trainer.run_dir=DIR         where the run is written
   trainer.checkpoint_every=N  write a resumable checkpoint every N steps
   data.train_files=[a.jsonl]  train on sample files instead of the built-in task
+  data.train_files=[hiyouga/geometry3k@train]   ... or on a hub dataset (split, ?config=, ?revision=)
+  trainer.loggers=[jsonl,tensorboard,wandb]     also log to W&B (or mlflow)
 
 examples:
   mmrl train --task vision_reasoning
   mmrl train --task vision_reasoning trainer.total_steps=50 rollout.group_size=4
   mmrl train --task vision_reasoning --model /path/to/Qwen2.5-VL-3B-Instruct
+  mmrl train --task qwen2_5_vl_3b_grpo_lora             # a real-model recipe (configs/)
 """
 
 

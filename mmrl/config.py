@@ -114,9 +114,11 @@ class DataConfig:
     num_heldout: int = 512
     """Procedural held-out samples (greedy evaluation)."""
     train_files: list[str] = field(default_factory=list)
-    """JSONL / Parquet files of samples; replace the procedural training data when set."""
+    """Training samples, replacing the procedural data when set: JSONL / Parquet files, or
+    datasets by name (`mmrl.datasets.sources`): hub ids `org/name@split?config=..&revision=..`,
+    local hub copies, `save_to_disk` folders; mmrl/V-Triune, veRL and EasyR1 layouts."""
     heldout_files: list[str] = field(default_factory=list)
-    """JSONL / Parquet files of held-out samples."""
+    """Held-out samples, in the same forms as `train_files`."""
     image_size: int = 64
     """Side of the procedural images in pixels."""
     seed: int = 0
@@ -352,6 +354,71 @@ class OptimConfig:
     """Learning rate of the connector (None: `lr`)."""
 
 
+LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
+"""What `trainer.loggers` may name (`mmrl.train.metrics_log`)."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases (`trainer.loggers` with `wandb`; the `wandb` extra). Its run files go
+    under `<run_dir>/wandb/`; login, mode and host also come from wandb's own environment
+    variables (`WANDB_API_KEY`, `WANDB_MODE=offline`, ...)."""
+
+    project: str = "mmrl"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (user or team); None: the logged-in user's default."""
+    name: str | None = None
+    """Run name; None: the run directory's name."""
+    group: str | None = None
+    """Run group (to compare seeds or variants together); None: none."""
+    tags: list[str] = field(default_factory=list)
+    """Run tags."""
+    mode: str | None = None
+    """`online`, `offline` (written under `<run_dir>/wandb/`, uploaded later with `wandb sync`)
+    or `disabled`; None: wandb's own choice (`WANDB_MODE`, else online)."""
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (`trainer.loggers` with `mlflow`; the `mlflow` extra)."""
+
+    tracking_uri: str | None = None
+    """Tracking server or database (`http://host:5000`, `sqlite:///mlflow.db`); None: MLflow's
+    own default (`MLFLOW_TRACKING_URI`, else `sqlite:///mlflow.db`). Not the file store
+    (`file:./mlruns`): it keeps metric names as paths and mmrl's nest (`reward/mean` and
+    `reward/mean/<data_source>`)."""
+    experiment: str = "mmrl"
+    """Experiment the run is filed under (created if missing)."""
+    artifact_location: str | None = None
+    """Where a newly created experiment keeps artifacts (config, PNGs); None: MLflow's default
+    (the server's, or `./mlruns` beside a local database)."""
+    run_name: str | None = None
+    """Run name; None: the run directory's name."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Run tags."""
+
+
+def logger_checks(trainer: Any) -> list[tuple[bool, str]]:
+    """Checks of `trainer.loggers` and the trackers' settings (both trainers' configs)."""
+    loggers = trainer.loggers
+    unknown = [name for name in loggers if name not in LOGGER_NAMES]
+    return [
+        (not unknown, f"trainer.loggers: unknown logger(s) {unknown} (known: {', '.join(LOGGER_NAMES)})"),
+        (
+            "jsonl" in loggers,
+            "trainer.loggers must include jsonl: metrics.jsonl is the run's own record (resume, the "
+            "training-curve PNG and the summary read it)",
+        ),
+        (len(set(loggers)) == len(loggers), f"trainer.loggers names a logger twice: {loggers}"),
+        (
+            trainer.wandb.mode in (None, "online", "offline", "disabled"),
+            f"trainer.wandb.mode must be online, offline, disabled or null, got {trainer.wandb.mode!r}",
+        ),
+        (bool(trainer.mlflow.experiment), "trainer.mlflow.experiment must be a non-empty name"),
+    ]
+
+
 @dataclass
 class TrainerConfig:
     """The training loop."""
@@ -399,6 +466,15 @@ class TrainerConfig:
     for non-finite rewards, losses or gradients."""
     progress: bool = True
     """Show a progress bar."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where metrics go: `jsonl` (`metrics.jsonl`, always), `tensorboard`, `wandb`, `mlflow` (the
+    `wandb` / `mlflow` extras). The same metric names everywhere; the trackers also get the
+    config as the run's parameters and the training-curve PNG, and a resumed run continues the
+    same tracker run."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases settings (with `wandb` in `loggers`)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow settings (with `mlflow` in `loggers`)."""
     eval_suite: str | None = None
     """A MEGA-Bench-style suite evaluated during training (a path, or `builtin` for the built-in
     mini-suite); None: off."""
@@ -481,6 +557,7 @@ class Config:
                 "trainer.eval_suite_max_queries must be >= 1 (or null: all)",
             ),
             (t.threads >= 0, f"trainer.threads must be >= 0, got {t.threads}"),
+            *logger_checks(t),
             (r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}"),
             (r.max_batch_rows >= 1, f"rollout.max_batch_rows must be >= 1, got {r.max_batch_rows}"),
             (d.num_train >= 0 and d.num_heldout >= 0, "data.num_train and data.num_heldout must be >= 0"),

@@ -8,7 +8,7 @@ import numpy as np
 
 from mmrl.config import Config
 from mmrl.datasets.procedural import make_samples
-from mmrl.datasets.readers import read_samples
+from mmrl.datasets.sources import read_source
 from mmrl.router import import_plugins
 from mmrl.types import Sample
 
@@ -23,17 +23,18 @@ DEFAULT_COT_PROMPTS: tuple[str, ...] = (
 
 
 def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
-    """Training and held-out samples: from files when given, else procedural kinds. Every
-    record is validated here, before anything trains."""
+    """Training and held-out samples: from files or datasets by name when given
+    (`mmrl.datasets.sources`: sample files, hub ids, `load_dataset` / `load_from_disk` sources),
+    else procedural kinds. Every record is validated here, before anything trains."""
     import_plugins(cfg.reward.plugins)  # verifier names are checked while loading
     d = cfg.data
     kw = dict(kinds_=d.kinds, seed=d.seed, image_size=d.image_size)
     if d.train_files:
-        train = [s for f in d.train_files for s in read_samples(f, max_prompt_chars=d.max_prompt_chars)]
+        train = [s for f in d.train_files for s in read_source(f, max_prompt_chars=d.max_prompt_chars)]
     else:
         train = make_samples(n=d.num_train, split="train", **kw)
     if d.heldout_files:
-        heldout = [s for f in d.heldout_files for s in read_samples(f, max_prompt_chars=d.max_prompt_chars)]
+        heldout = [s for f in d.heldout_files for s in read_source(f, max_prompt_chars=d.max_prompt_chars)]
     elif not d.train_files:
         heldout = make_samples(n=d.num_heldout, split="heldout", **kw)
     else:

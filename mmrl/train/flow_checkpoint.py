@@ -56,6 +56,9 @@ RESUMABLE_CHANGES = (
     "trainer.dump_steps",
     "trainer.save_final",
     "model.cache_dir",
+    "trainer.loggers",
+    "trainer.wandb",
+    "trainer.mlflow",
 )
 """Config keys a resumed run may change (none changes what a step computes; `run_dir`: a
 run folder may be moved or copied)."""
@@ -179,7 +182,9 @@ def check_config_unchanged(cfg: FlowConfig, checkpoint: Path) -> None:
     )
     now = OmegaConf.to_container(OmegaConf.structured(cfg))
     diffs = [
-        f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(saved, now, "") if key not in RESUMABLE_CHANGES
+        f"{key}: {a!r} -> {b!r}"
+        for key, a, b in _differences(saved, now, "")
+        if key not in RESUMABLE_CHANGES and not key.startswith(("trainer.wandb.", "trainer.mlflow."))
     ]
     if diffs:
         raise ValueError(

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from mmrl.config import load_structured
+from mmrl.config import MlflowConfig, WandbConfig, load_structured, logger_checks
 from mmrl.models.tiny_diffusion import TinyDiffusionSpec
 
 LORA_TARGETS = [
@@ -214,6 +214,13 @@ class FlowTrainerConfig:
     """Save the final pipeline (EMA weights, LoRA merged) under `<run_dir>/final`."""
     progress: bool = True
     """Show a progress bar."""
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where metrics go: `jsonl` (always), `tensorboard`, `wandb`, `mlflow` (as the VLM trainer's
+    `trainer.loggers`); the trackers also get each evaluation's image grid."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases settings (with `wandb` in `loggers`)."""
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """MLflow settings (with `mlflow` in `loggers`)."""
     checkpoint_every: int = 0
     """Write a resumable checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)."""
     keep_last: int = 2
@@ -299,6 +306,7 @@ class FlowConfig:
             (t.checkpoint_every >= 0, "trainer.checkpoint_every must be >= 0 (0: only at the end)"),
             (t.keep_last >= 0, "trainer.keep_last must be >= 0 (0: keep all)"),
             (not t.resume or bool(t.run_dir), "trainer.resume needs trainer.run_dir (the run to continue)"),
+            *logger_checks(t),
         ]
         for ok, message in checks:
             if not ok:
@@ -321,6 +329,11 @@ def is_diffusion_task(task: str) -> bool:
         return False
     conf = OmegaConf.create(recipe.read_text())
     return isinstance(conf, type(OmegaConf.create({}))) and conf.get("kind") == "diffusion"
+
+
+def flow_config_dict(cfg: FlowConfig) -> dict[str, Any]:
+    """The resolved config as plain nested dicts and lists."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
 
 
 def flow_config_to_yaml(cfg: FlowConfig) -> str:

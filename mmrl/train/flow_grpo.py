@@ -54,8 +54,8 @@ from mmrl.train.flow_checkpoint import (
     write_flow_checkpoint,
     write_flow_dump,
 )
-from mmrl.train.flow_config import FlowConfig, flow_config_to_yaml
-from mmrl.train.metrics_log import MetricsLogger, read_metrics
+from mmrl.train.flow_config import FlowConfig, flow_config_dict, flow_config_to_yaml
+from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +189,7 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
         checkpoint = find_flow_checkpoint(cfg, Path(cfg.trainer.run_dir))
         if checkpoint is not None:
             check_config_unchanged(cfg, checkpoint)
+    check_trackers_installed(cfg.trainer.loggers)
     run_dir = create_run_dir(cfg)
     (run_dir / "images").mkdir(exist_ok=True)
 
@@ -214,13 +215,14 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
     # A resumed run drops what the crashed one logged after its checkpoint; `resume=auto` with
     # no checkpoint yet starts the files over.
     keep_until = progress.step if checkpoint is not None else (-1 if cfg.trainer.resume else None)
-    metrics_log = MetricsLogger(run_dir, resume_after=keep_until)
+    metrics_log = open_metrics_log(run_dir, cfg.trainer, flow_config_dict(cfg), resume_after=keep_until)
     total = cfg.trainer.total_steps
 
     def run_eval(step: int) -> float:
         metrics, images = evaluate(cfg, t, eval_prompts)
         metrics_log.log(step, metrics)
-        save_grid(images, run_dir / "images" / f"eval_step_{step:05d}.png")
+        grid = save_grid(images, run_dir / "images" / f"eval_step_{step:05d}.png")
+        metrics_log.log_image("eval/images", grid, step)
         log.info("step %d: eval reward %.4f", step, metrics["eval/reward/mean"])
         return metrics["eval/reward/mean"]
 
@@ -229,7 +231,7 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
     #    to stop.
     stop = StopRequest()
     p = progress
-    try:
+    with metrics_log:  # every sink closed on the way out; the trackers told "failed" on an error
         with stop.installed():
             if checkpoint is None:
                 p.start_reward = p.best_reward = p.final_reward = run_eval(0)
@@ -256,14 +258,14 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
                     log.warning("stopping at step %d on %s; checkpoint written", step, stop.signal_name)
                     break
             bar.close()
-    finally:
-        metrics_log.close()
 
-    # 4. Final pipeline (EMA weights, LoRA merged; not for an interrupted run: its checkpoint is
-    #    what continues it), curves, summary.
-    if cfg.trainer.save_final and not stop.requested:
-        save_pipeline(cfg, t, run_dir / "final")
-    plot_flow_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
+        # 4. Final pipeline (EMA weights, LoRA merged; not for an interrupted run: its checkpoint is
+        #    what continues it), curves, summary.
+        if cfg.trainer.save_final and not stop.requested:
+            save_pipeline(cfg, t, run_dir / "final")
+        plot_flow_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
+        metrics_log.log_image("plots/training_curves", run_dir / "training_curves.png", p.step)
+        metrics_log.status = "interrupted" if stop.requested else "finished"
     result = FlowTrainResult(
         run_dir, p.start_reward, p.final_reward, p.best_reward, p.step, time.monotonic() - t_start,
         interrupted=stop.requested,

@@ -47,7 +47,7 @@ from mmrl.algos.dapo import informative_groups, overlong_penalty, truncation_mas
 from mmrl.algos.kl import kl_estimate, kl_penalized_rewards
 from mmrl.algos.stability import batch_normalize_weights, rejection_keep
 from mmrl.algos.tis import tis_weights
-from mmrl.config import Config, config_to_yaml
+from mmrl.config import Config, config_to_dict, config_to_yaml
 from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_for_saving, param_groups
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
@@ -71,7 +71,7 @@ from mmrl.train.checkpoint import (
 from mmrl.train.data import PromptSampler, cot_pool, load_data
 from mmrl.train.dumps import write_step_dump
 from mmrl.train.evaluation import evaluate
-from mmrl.train.metrics_log import MetricsLogger
+from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
 from mmrl.train.rundir import create_run_dir, run_dir_path
@@ -195,6 +195,7 @@ def train(cfg: Config) -> TrainResult:
     # The checkpoint to resume from, if any: refused here (all damaged, config changed) before
     # the run directory is touched.
     check_paths(cfg)
+    check_trackers_installed(cfg.trainer.loggers)
     run_dir = run_dir_path(cfg)
     resume_path = plan_resume(cfg, run_dir)
     run_dir = create_run_dir(cfg, run_dir)
@@ -209,7 +210,11 @@ def train(cfg: Config) -> TrainResult:
     # A resumed run drops what the crashed one logged after its checkpoint; `resume=auto` with
     # no checkpoint yet starts the files over.
     keep_until = progress.step if resumed else (-1 if cfg.trainer.resume else None)
-    metrics_log = MetricsLogger(run_dir, resume_after=keep_until)
+    try:
+        metrics_log = open_metrics_log(run_dir, cfg.trainer, config_to_dict(cfg), resume_after=keep_until)
+    except BaseException:
+        t.close()
+        raise
     total = cfg.trainer.total_steps
 
     def run_eval(step: int) -> float:
@@ -229,42 +234,46 @@ def train(cfg: Config) -> TrainResult:
     # 4. The loop: one step per rollout batch, greedy evaluation every `eval_every` steps,
     #    a checkpoint every `checkpoint_every` steps and when SIGINT / SIGTERM asks to stop.
     stop = StopRequest()
-    try:
-        with stop.installed():
-            if not resumed:
-                progress.start_acc = progress.best_acc = progress.final_acc = run_eval(0)
-            first = progress.step + 1
-            bar = tqdm(
-                range(first, total + 1), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True
-            )
-            for step in bar:
-                metrics = compose.step(cfg, t, sampler, VerifyContext(step - 1, total), step=step)
-                metrics_log.log(step, metrics)
-                progress.step = step
-                guard_skips(cfg, progress, metrics, step, run_dir)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{progress.final_acc:.3f}")
-                if step % cfg.trainer.eval_every == 0 or step == total:
-                    progress.final_acc = run_eval(step)
-                    progress.best_acc = max(progress.best_acc, progress.final_acc)
-                every = cfg.trainer.checkpoint_every
-                if (every and step % every == 0) or step == total or stop.requested:
-                    write_checkpoint(cfg, t, sampler, progress, run_dir)
-                if stop.requested:
-                    log.warning("stopping at step %d on %s; checkpoint written", step, stop.signal_name)
-                    break
-            bar.close()
-    finally:
-        t.close()
-        metrics_log.close()
+    with metrics_log:  # every sink closed on the way out; the trackers told "failed" on an error
+        try:
+            with stop.installed():
+                if not resumed:
+                    progress.start_acc = progress.best_acc = progress.final_acc = run_eval(0)
+                first = progress.step + 1
+                bar = tqdm(
+                    range(first, total + 1), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True
+                )
+                for step in bar:
+                    metrics = compose.step(cfg, t, sampler, VerifyContext(step - 1, total), step=step)
+                    metrics_log.log(step, metrics)
+                    progress.step = step
+                    guard_skips(cfg, progress, metrics, step, run_dir)
+                    bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{progress.final_acc:.3f}")
+                    if step % cfg.trainer.eval_every == 0 or step == total:
+                        progress.final_acc = run_eval(step)
+                        progress.best_acc = max(progress.best_acc, progress.final_acc)
+                    every = cfg.trainer.checkpoint_every
+                    if (every and step % every == 0) or step == total or stop.requested:
+                        write_checkpoint(cfg, t, sampler, progress, run_dir)
+                    if stop.requested:
+                        log.warning("stopping at step %d on %s; checkpoint written", step, stop.signal_name)
+                        break
+                bar.close()
+        finally:
+            t.close()
 
-    # 5. Final policy (HF format; LoRA adapters merged, and saved alone too), curves, summary.
-    if cfg.trainer.save_final:
-        with storage_errors("save the final policy to", run_dir / "final", "The last checkpoint is intact"):
-            merged_copy_for_saving(t.policy.model).save_pretrained(run_dir / "final")
-            t.policy.processor.save_pretrained(run_dir / "final")
-            if is_lora(t.policy.model):
-                t.policy.model.save_pretrained(run_dir / "final_adapter")
-    plot_training_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
+        # 5. Final policy (HF format; LoRA adapters merged, and saved alone too), curves, summary.
+        if cfg.trainer.save_final:
+            with storage_errors(
+                "save the final policy to", run_dir / "final", "The last checkpoint is intact"
+            ):
+                merged_copy_for_saving(t.policy.model).save_pretrained(run_dir / "final")
+                t.policy.processor.save_pretrained(run_dir / "final")
+                if is_lora(t.policy.model):
+                    t.policy.model.save_pretrained(run_dir / "final_adapter")
+        plot_training_curves(run_dir / "metrics.jsonl", run_dir / "training_curves.png")
+        metrics_log.log_image("plots/training_curves", run_dir / "training_curves.png", progress.step)
+        metrics_log.status = "interrupted" if stop.requested else "finished"
     result = TrainResult(
         run_dir=run_dir,
         start_accuracy=progress.start_acc,

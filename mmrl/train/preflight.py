@@ -29,11 +29,15 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "trainer.max_consecutive_skips",
         "reward.num_workers",
         "model.cache_dir",
+        "trainer.loggers",
     }
 )
 """Config keys a resumed run may set differently from its checkpoint (each change is logged):
 the run's length and bookkeeping, never what it learns from or how. Extending
 `trainer.total_steps` also stretches the learning-rate schedule."""
+
+RESUME_MAY_CHANGE_PREFIXES: tuple[str, ...] = ("trainer.wandb.", "trainer.mlflow.")
+"""Sections a resumed run may set differently too (where metrics are sent)."""
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -74,7 +78,11 @@ def check_resume_config(cfg: Config, checkpoint: Path) -> dict[str, tuple[Any, A
         diffs = config_differences(saved_path.read_text(encoding="utf-8"), cfg)
     except Exception as exc:  # noqa: BLE001 - any unreadable config is a refusal, with its cause
         raise ValueError(f"trainer.resume: cannot read the checkpoint's config {saved_path}: {exc}") from None
-    refused = {k: v for k, v in diffs.items() if k not in RESUME_MAY_CHANGE}
+    refused = {
+        k: v
+        for k, v in diffs.items()
+        if k not in RESUME_MAY_CHANGE and not k.startswith(RESUME_MAY_CHANGE_PREFIXES)
+    }
     lines = [f"  {k}: {old!r} -> {new!r}" for k, (old, new) in sorted(diffs.items())]
     if refused:
         raise ValueError(

@@ -1,0 +1,197 @@
+"""Datasets by name (`mmrl.datasets.sources`): hub-layout datasets built here and saved locally
+(`save_to_disk`, and Parquet files in a hub repo's `data/<split>-*.parquet` layout) in EasyR1's
+and V-Triune's column layouts are read through the `datasets` library, mapped onto the sample
+format and trained on for a few steps; a hub id under HF_HUB_OFFLINE=1 fails naming the id;
+unknown layouts, ambiguous splits and bad rows fail naming the columns, splits and fields."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mmrl.config import load_config
+from mmrl.datasets.procedural import make_samples
+from mmrl.datasets.schema import SampleError
+from mmrl.datasets.sources import parse_source, read_source
+from mmrl.train.grpo import train
+from mmrl.train.metrics_log import read_metrics
+
+
+def _easyr1_rows(split: str, n: int) -> list[dict]:
+    """EasyR1's layout (hiyouga/geometry3k's): `images`, `problem`, `answer`."""
+    return [
+        {
+            "images": [s.images[0]],
+            "problem": s.prompt[0]["content"],
+            "answer": s.reward_model.ground_truth,
+        }
+        for s in make_samples(["colour_code"], n, split)
+    ]
+
+
+def _vtriune_rows(split: str, n: int) -> list[dict]:
+    """V-Triune's layout (Orsta-Data-47k's): their verifier names and `verifier_parm`."""
+    return [
+        {
+            "data_source": "orsta_colour",
+            "images": [s.images[0]],  # cast to the Image feature below: {"bytes", "path"}
+            "prompt": s.prompt,
+            "ability": "math",
+            "reward_model": {
+                "answer": s.reward_model.ground_truth,
+                "ground_truth": s.reward_model.ground_truth,
+                "accuracy_ratio": 1.0,
+                "format_ratio": 0.0,
+                "verifier": "mathverify",
+                "verifier_parm": {"det_verifier_normalized": None, "det_reward_ratio": None},
+            },
+            "extra_info": {"id": f"orsta/{split}/{i}", "image_path": f"img_{i}.png"},
+        }
+        for i, s in enumerate(make_samples(["colour_code"], n, "heldout" if split == "test" else split))
+    ]
+
+
+def _pixels(sample) -> list[bytes]:
+    return [image.convert("RGB").tobytes() for image in sample.pil_images()]
+
+
+@pytest.fixture(scope="module")
+def local_datasets(tmp_path_factory):
+    """An EasyR1 dataset written with `save_to_disk` and a V-Triune one as a hub repo's Parquet
+    files (train and test splits). Its `verifier_parm` is a struct column, so every row carries
+    every key, null where it has none (the mapping reads null as absent)."""
+    from datasets import Dataset, Features, Image, List, Value
+
+    root = tmp_path_factory.mktemp("hub")
+    image = List(Image())
+    easyr1 = Features({"images": image, "problem": Value("string"), "answer": Value("string")})
+    rows = _easyr1_rows("train", 24)
+    columns = {key: [row[key] for row in rows] for key in easyr1}
+    Dataset.from_dict(columns, features=easyr1).save_to_disk(str(root / "geo_disk"))
+    (root / "orsta" / "data").mkdir(parents=True)
+    for split, n in (("train", 24), ("test", 8)):
+        ds = Dataset.from_list(_vtriune_rows(split, n))
+        ds = ds.cast_column("images", image)
+        ds.to_parquet(str(root / "orsta" / "data" / f"{split}-00000-of-00001.parquet"))
+    return root
+
+
+def test_easyr1_and_vtriune_layouts_map_onto_the_sample_format(local_datasets):
+    easy = read_source(str(local_datasets / "geo_disk"))
+    assert len(easy) == 24
+    first, source = easy[0], make_samples(["colour_code"], 24, "train")[0]
+    assert first.data_source == "geo_disk" and first.id == "geo_disk/0"  # EasyR1 rows name no source
+    assert (
+        first.reward_model.verifier == "math"
+        and first.reward_model.ground_truth == source.reward_model.ground_truth
+    )
+    assert first.prompt == source.prompt
+    assert isinstance(first.images[0], bytes)  # kept encoded, decoded only when used
+    assert _pixels(first) == _pixels(source)
+    orsta = read_source(f"{local_datasets / 'orsta'}@train")
+    assert len(orsta) == 24 and orsta[3].id == "orsta/train/3" and orsta[3].data_source == "orsta_colour"
+    assert orsta[3].reward_model.verifier == "math"  # V-Triune's mathverify
+    assert orsta[3].reward_model.verifier_params == {"format": "think_answer"}  # V-Triune's math format
+    assert orsta[3].extra_info["answer"] == orsta[3].reward_model.ground_truth
+    assert _pixels(orsta[3]) == _pixels(make_samples(["colour_code"], 24, "train")[3])
+    # Streaming reads a prefix without materialising the dataset first: the same first rows.
+    streamed = read_source(f"{local_datasets / 'orsta'}@train?streaming=true&max_samples=5")
+    assert [s.id for s in streamed] == [s.id for s in orsta[:5]]
+    assert read_source(f"{local_datasets / 'geo_disk'}?max_samples=3&data_source=geo3k")[2].id == "geo3k/2"
+
+
+def test_a_hub_layout_dataset_saved_locally_trains_for_a_few_steps(mmrl_cache, local_datasets, tmp_path):
+    files = f"[{local_datasets / 'geo_disk'},{local_datasets / 'orsta'}@train]"
+    cfg = load_config(
+        "vision_reasoning",
+        overrides=[
+            f"data.train_files={files}",
+            f"data.heldout_files=[{local_datasets / 'orsta'}@test]",
+            "trainer.total_steps=2",
+            "trainer.prompts_per_step=4",
+            "rollout.group_size=2",
+            "trainer.eval_every=2",
+            "trainer.progress=false",
+            "trainer.save_final=false",
+            "trainer.threads=1",
+            "reward.num_workers=0",  # verifiers in this process: no worker to start
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    result = train(cfg)
+    assert result.steps == 2
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    seen = {k.removeprefix("reward/mean/") for r in steps for k in r if k.startswith("reward/mean/")}
+    assert seen <= {"geo_disk", "orsta_colour"} and seen  # per-source metrics from both layouts
+    evals = [r for r in records if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2]  # greedy held-out accuracy on the V-Triune test split
+
+
+def test_a_hub_id_offline_fails_naming_it():
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    with pytest.raises(
+        ValueError, match=r"'hiyouga/geometry3k'.*not in the local Hugging Face cache.*HF_HUB_OFFLINE"
+    ):
+        read_source("hiyouga/geometry3k@train?revision=main")
+    cfg = load_config(
+        "vision_reasoning",
+        overrides=[
+            "data.train_files=[hiyouga/geometry3k@train]",
+            "data.heldout_files=[hiyouga/geometry3k@test]",
+        ],
+    )
+    from mmrl.train.data import load_data
+
+    with pytest.raises(ValueError, match="hiyouga/geometry3k"):
+        load_data(cfg)
+
+
+def test_unknown_layouts_splits_and_options_are_errors_naming_them(local_datasets, tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list([{"question": "2+2?", "solution": "4"}]).save_to_disk(str(tmp_path / "qa"))
+    with pytest.raises(ValueError, match=r"unknown column layout \(columns: question, solution\)"):
+        read_source(str(tmp_path / "qa"))
+    # EasyR1's options rename the columns, as its data.prompt_key / answer_key do.
+    (sample,) = read_source(f"{tmp_path / 'qa'}?prompt_key=question&answer_key=solution")
+    assert sample.prompt == [{"role": "user", "content": "2+2?"}] and sample.reward_model.ground_truth == "4"
+    with pytest.raises(ValueError, match=r"has the splits (train, test|test, train): choose one with @SPLIT"):
+        read_source(str(local_datasets / "orsta"))
+    with pytest.raises(ValueError, match=r"orsta@validation.*validation.*'train', 'test'"):
+        read_source(f"{local_datasets / 'orsta'}@validation")
+    with pytest.raises(ValueError, match=r"must be key=value pairs"):
+        parse_source("org/name@train?streaming")
+    with pytest.raises(ValueError, match=r"unknown option 'revison'"):
+        parse_source("org/name@train?revison=main")
+    spec = parse_source("org/name@train?config=default&revision=abc123&streaming=true&max_samples=10")
+    assert (spec.path, spec.split, spec.config, spec.revision, spec.streaming, spec.max_samples) == (
+        "org/name", "train", "default", "abc123", True, 10,
+    )  # fmt: skip
+
+
+def test_a_bad_row_names_the_source_row_and_field_in_its_own_spelling(tmp_path):
+    from datasets import Dataset
+
+    rows = [{"problem": "What is 1+1?", "answer": "2"}, {"problem": "What is 2+2?", "answer": None}]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(SampleError, match=r"bad row 1 \(id=bad/1\): field 'answer': missing"):
+        read_source(str(tmp_path / "bad"))
+
+
+def test_a_local_easyr1_parquet_file_is_recognised_by_its_columns(local_datasets, tmp_path):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(local_datasets / "orsta" / "data" / "test-00000-of-00001.parquet")
+    pq.write_table(table, tmp_path / "orsta_test.parquet")
+    samples = read_source(str(tmp_path / "orsta_test.parquet"))
+    assert len(samples) == 8 and samples[0].reward_model.verifier == "math"
+    from datasets import load_from_disk
+
+    load_from_disk(str(local_datasets / "geo_disk")).to_parquet(str(tmp_path / "geo3k_train.parquet"))
+    samples = read_source(str(tmp_path / "geo3k_train.parquet"))
+    assert samples[0].data_source == "geo3k_train" and samples[0].id == "geo3k_train/0"
+    assert Path(samples[0].extra_info["source_file"]).name == "geo3k_train.parquet"
