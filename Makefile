@@ -2,8 +2,7 @@
 # they create .venv, install mmrl with the pinned versions in constraints.txt, then run.
 VENV ?= .venv
 # Everything the test suite exercises; `make install EXTRAS=dev` for a lighter install.
-# (`mlflow` is not here: mlflow-skinny 3.17 needs importlib_metadata<10, constraints.txt has 10.2.)
-EXTRAS ?= dev,serve,rewards,diffusion,distributed,wandb,hub
+EXTRAS ?= dev,serve,rewards,diffusion,distributed,trackers,hub
 PY := $(VENV)/bin/python
 # Keep the checkout's folders (datasets/, verifiers/) off sys.path: only `mmrl.*` is importable.
 export PYTHONSAFEPATH := 1
