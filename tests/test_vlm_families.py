@@ -1,0 +1,143 @@
+"""Every VLM family goes through the same rollout, log-prob, update and save code.
+
+One tiny random model per family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA 1.5 / NeXT / OneVision,
+Idefics3, SmolVLM, Gemma 3, InternVL), built from config with its real processor, saved and
+loaded back through `AutoModelForImageTextToText` / `AutoProcessor` as a user's checkpoint is.
+The prompts hold one to three images of two shapes, so the families' own layouts of vision
+inputs are all exercised: tiles per image (LLaVA-NeXT / OneVision, InternVL), images per row
+padded to the batch's most (Idefics3, SmolVLM), patches per image grid (Qwen), token types
+(Gemma 3, Qwen); the engine generates one group per chunk, so chunks of different shapes are
+joined, and the update splits the rows into mini-batches again. About 1-3 s per family.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from mmrl.algos.advantages import group_advantages
+from mmrl.config import load_config
+from mmrl.models.adapters import merged_copy_for_saving, param_groups
+from mmrl.models.families import family_of, shares_prompts
+from mmrl.models.loading import load_policy
+from mmrl.models.precision import adamw
+from mmrl.models.tiny import TinyVLMSpec, architectures, build_processor, build_tiny_vlm
+from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
+from mmrl.train.batching import select_rows
+from mmrl.train.forward import response_logprobs
+from mmrl.train.grpo import prepare_policy
+from mmrl.train.update import update_policy
+from mmrl.types import RewardSpec, Sample
+
+# The adapter each family gets (mmrl.models.families); "generic" is the default.
+FAMILY = {
+    "qwen2_vl": "qwen_vl",
+    "qwen2_5_vl": "qwen_vl",
+    "qwen3_vl": "qwen_vl",
+    "llava": "generic",
+    "llava_next": "generic",
+    "llava_onevision": "generic",
+    "idefics3": "idefics3",
+    "smolvlm": "idefics3",
+    "gemma3": "generic",
+    "internvl": "internvl",
+}
+
+
+def _samples() -> list[Sample]:
+    red, blue = Image.new("RGB", (64, 64), "red"), Image.new("RGB", (64, 64), "blue")
+    wide = Image.new("RGB", (128, 64), "green")  # more tiles than a square one where families tile
+
+    def sample(i, images, text):
+        return Sample(
+            "multi",
+            [{"role": "user", "content": text}],
+            images,
+            "math",
+            RewardSpec("1", "math"),
+            {"id": str(i)},
+        )
+
+    return [
+        sample(0, [red, wide], "<image>first, <image>second: which is red?"),
+        sample(1, [blue], "<image>colour?"),
+        sample(2, [wide, red, blue], "<image><image><image>count red"),
+    ]
+
+
+def test_every_listed_family_is_covered():
+    assert set(FAMILY) == set(architectures())
+
+
+@pytest.mark.parametrize("architecture", architectures())
+def test_a_family_rolls_out_recomputes_its_logprobs_updates_and_reloads(architecture, tmp_path):
+    spec = TinyVLMSpec(architecture=architecture)
+    build_tiny_vlm(spec, seed=3).save_pretrained(tmp_path / "base")
+    build_processor(spec).save_pretrained(tmp_path / "base")
+    policy = load_policy(tmp_path / "base")  # through the Auto classes, as any checkpoint
+    assert family_of(policy.model).name == FAMILY[architecture]
+    assert shares_prompts(policy.model)
+    cfg = load_config(
+        "vision_reasoning",
+        overrides=[
+            "trainer.mini_batches=2",
+            "optim.lr=1e-3",
+            "optim.vision_lr=2e-3",
+            "optim.connector_lr=3e-3",
+        ],
+    )
+    prepare_policy(cfg, policy)
+    # Every part has its own group: the adapter finds the vision tower and the connector.
+    optimizer = adamw(param_groups(policy.model, cfg), lr=cfg.optim.lr)
+    assert [g["name"] for g in optimizer.param_groups] == ["language", "vision", "connector"]
+
+    # 1. Rollout: G = 2 responses per prompt, one group per chunk (chunks of different shapes joined).
+    engine = HFRolloutEngine.from_policy(policy, max_batch_rows=2)
+    batch = engine.generate(_samples(), SamplingParams(n=2, max_new_tokens=6))
+    assert batch.images_per_row == [2, 2, 1, 1, 3, 3]
+    assert batch.response_mask.sum() > len(batch)
+    counted = batch.response_ids[batch.response_mask.bool()]
+    assert not policy.blocked[counted].any()  # no image token, nor any blocked one, was sampled
+    assert policy.blocked[_image_token_id(policy.model)]
+
+    # 2. The trainer's recomputation (plain, shared-prompt, and on a sub-batch) equals the rollout's.
+    with torch.no_grad():
+        plain, _ = response_logprobs(policy.model, batch, policy.blocked, 1.0, share_prompts=False)
+        shared, _ = response_logprobs(policy.model, batch, policy.blocked, 1.0)
+        part, _ = response_logprobs(policy.model, select_rows(batch, [5, 0, 2]), policy.blocked, 1.0)
+    torch.testing.assert_close(plain, batch.rollout_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared, batch.rollout_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(part, batch.rollout_logprobs[[5, 0, 2]], atol=1e-5, rtol=0)
+
+    # 3. One update (two mini-batches): every part's weights move, and the surrogate objective
+    #    rises (an Adam step has a positive inner product with the gradient).
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    advantages = group_advantages(rewards, 2)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    update_policy(cfg, policy, optimizer, batch, advantages, plain, None)
+    for group in optimizer.param_groups:
+        names = [n for n, p in policy.model.named_parameters() if any(p is q for q in group["params"])]
+        moved = [n for n in names if not torch.equal(before[n], dict(policy.model.named_parameters())[n])]
+        assert moved, f"no {group['name']} weight changed"
+    with torch.no_grad():
+        after, _ = response_logprobs(policy.model, batch, policy.blocked, 1.0)
+    mask = batch.response_mask
+    gain = ((after - plain) * mask).sum(1) / mask.sum(1)
+    assert (gain * advantages).sum() > 0
+
+    # 4. Save (as the trainer saves the final policy) and reload: same log-probs, same blocked ids.
+    merged_copy_for_saving(policy.model).save_pretrained(tmp_path / "final")
+    policy.processor.save_pretrained(tmp_path / "final")
+    reloaded = load_policy(tmp_path / "final")
+    assert torch.equal(reloaded.blocked, policy.blocked)
+    with torch.no_grad():
+        again, _ = response_logprobs(reloaded.model, batch, reloaded.blocked, 1.0)
+    torch.testing.assert_close(again, after, atol=1e-6, rtol=0)
+
+
+def _image_token_id(model) -> int:
+    """The id whose embeddings the image features replace (the model config names it)."""
+    config = model.config
+    token = getattr(config, "image_token_id", None)
+    return token if token is not None else config.image_token_index
