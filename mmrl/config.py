@@ -21,6 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from mmrl.models.precision import DTYPES
 from mmrl.models.tiny import TinyVLMSpec
+from mmrl.models.tiny import architectures as tiny_architectures
 from mmrl.rewards.config import ModelRewardsConfig
 
 DTYPE_NAMES = ("auto", *DTYPES)
@@ -499,6 +500,10 @@ class Config:
                 "algo.overlong_buffer must be < rollout.max_new_tokens",
             ),
             (self.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
+            (
+                self.model.tiny.architecture in tiny_architectures(),
+                f"model.tiny.architecture must be one of {', '.join(tiny_architectures())}",
+            ),
             (self.model.dtype in DTYPE_NAMES, f"model.dtype must be one of {', '.join(DTYPE_NAMES)}"),
             (
                 self.model.master_dtype in DTYPE_NAMES,

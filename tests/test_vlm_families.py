@@ -141,3 +141,53 @@ def _image_token_id(model) -> int:
     config = model.config
     token = getattr(config, "image_token_id", None)
     return token if token is not None else config.image_token_index
+
+
+def test_where_the_shared_prompt_forward_does_not_apply_the_plain_one_runs_and_the_log_says_so_once(
+    monkeypatch, caplog
+):
+    """A family adapter that says the shared-prompt forward does not apply (as the generic one
+    says for an unregistered model with its own multimodal positions): rollout and trainer take
+    the plain paths, give the plain forward's numbers, and the reason is logged once."""
+    from mmrl.models import families
+
+    class NoSharing(families.VLMFamily):
+        model_types = ("llava",)
+
+        def why_no_shared_prompts(self, model):
+            return "a test family says so"
+
+    monkeypatch.setattr(families, "_FAMILIES", [NoSharing, *families._FAMILIES])
+    monkeypatch.setattr(families, "_said", set())
+    spec = TinyVLMSpec(architecture="llava")
+    from mmrl.models.loading import make_policy
+
+    policy = make_policy(build_tiny_vlm(spec, seed=1), build_processor(spec))
+    engine = HFRolloutEngine.from_policy(policy)
+    with caplog.at_level("INFO", logger="mmrl.models.families"):
+        batch = engine.generate(_samples()[1:], SamplingParams(n=2, max_new_tokens=5))
+        with torch.no_grad():
+            first, _ = response_logprobs(policy.model, batch, policy.blocked, 1.0)
+            second, _ = response_logprobs(policy.model, batch, policy.blocked, 1.0)
+    torch.testing.assert_close(first, batch.rollout_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(second, first, atol=0, rtol=0)
+    said = [r.getMessage() for r in caplog.records if "shared-prompt forward off" in r.getMessage()]
+    assert said == ["shared-prompt forward off, using the plain forward: a test family says so"]
+
+
+def test_vision_inputs_the_layout_does_not_describe_are_refused_naming_the_input():
+    """The bug this adapter replaced: a batch whose vision inputs are not one per row and whose
+    layout does not say how they map to rows fails with the input's name, not a KeyError."""
+    from dataclasses import replace
+
+    from mmrl.models.loading import make_policy
+    from mmrl.types import VisionLayout
+
+    spec = TinyVLMSpec(architecture="qwen2_vl")
+    policy = make_policy(build_tiny_vlm(spec, seed=1), build_processor(spec))
+    batch = HFRolloutEngine.from_policy(policy).generate(
+        _samples()[:2], SamplingParams(n=1, max_new_tokens=3)
+    )
+    select_rows(batch, [1])  # described: fine
+    with pytest.raises(ValueError, match=r"vision input 'pixel_values' has \d+ entries for 2 rows"):
+        select_rows(replace(batch, vision_layout=VisionLayout()), [1])
