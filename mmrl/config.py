@@ -90,8 +90,11 @@ class ModelConfig:
     """LoRA rank (peft) on the language model's linear layers; 0: full fine-tuning."""
     lora_alpha: float = 16.0
     """LoRA scaling numerator (scale = alpha / rank)."""
-    lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
-    """Regex of the module names LoRA adapts (the vision tower is excluded by default)."""
+    lora_targets: str = (
+        r".*(language_model|text_model).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+    )
+    """Regex of the module names LoRA adapts (by default the language model's, `text_model` in
+    Idefics3 / SmolVLM; the vision tower is excluded)."""
     freeze_vision: bool = False
     """Freeze the vision tower (patch embedding and blocks), as V-Triune does for stability."""
     freeze_connector: bool = False

@@ -191,3 +191,18 @@ def test_vision_inputs_the_layout_does_not_describe_are_refused_naming_the_input
     select_rows(batch, [1])  # described: fine
     with pytest.raises(ValueError, match=r"vision input 'pixel_values' has \d+ entries for 2 rows"):
         select_rows(replace(batch, vision_layout=VisionLayout()), [1])
+
+
+@pytest.mark.parametrize("architecture", architectures())
+def test_lora_adapts_the_language_model_of_every_family_and_freezing_finds_its_parts(architecture):
+    from mmrl.models.adapters import apply_lora, freeze_parts, part_of
+
+    cfg = load_config("vision_reasoning", overrides=["model.lora_rank=4", "model.freeze_connector=true"])
+    model = build_tiny_vlm(TinyVLMSpec(architecture=architecture))
+    freeze_parts(model, cfg)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(part_of(n, model) == "connector" for n in frozen)
+    model = apply_lora(model, cfg)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
+    assert len(adapted) == 7 * TinyVLMSpec().num_layers  # q, k, v, o, gate, up, down per layer
+    assert all(part_of(n, model) == "language" for n in adapted)
