@@ -13,19 +13,16 @@ import torch
 from transformers import PreTrainedModel
 
 from mmrl.config import Config
-from mmrl.models.families import VLMFamily, family_of
+from mmrl.models.families import family_of
 
 
-def part_of(name: str, model: torch.nn.Module | None = None) -> str:
-    """`vision`, `connector` or `language` for a parameter or module name of `model` (None:
-    the generic family's names)."""
-    family = family_of(model) if model is not None else VLMFamily()
-    return family.part_of(name)
+def part_of(name: str, model: torch.nn.Module) -> str:
+    """`vision`, `connector` or `language` for a parameter or module name of `model`."""
+    return family_of(model).part_of(name)
 
 
 def parts(model: torch.nn.Module) -> dict[str, str]:
-    """Every parameter name of `model` -> its part; raises if freezing or a learning rate asks
-    for a part the family adapter finds no parameter of."""
+    """Every parameter name of `model` -> its part (`part_of`)."""
     family = family_of(model)
     return {name: family.part_of(name) for name, _ in model.named_parameters()}
 

@@ -2,7 +2,7 @@
 
 The Qwen-VL families are built here; LLaVA (1.5 / NeXT / OneVision), Idefics3, SmolVLM, Gemma 3
 and InternVL in `mmrl.models.tiny_families`, through the same two functions. Everything here
-runs offline. For the Qwen models: The processor pairs the byte tokenizer with the real Qwen2-VL
+runs offline. For the Qwen models, the processor pairs the byte tokenizer with the real Qwen2-VL
 image and video processors; patch and merge sizes match the vision config so that a 64x64 image
 becomes (64/8/2)^2 = 16 image tokens.
 """
