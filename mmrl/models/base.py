@@ -1,10 +1,11 @@
 """The built-in base policy: a tiny VLM given a short supervised warm-up, cached on disk.
 
 RL improves what a model can already sometimes do, as a pretrained checkpoint would. A random
-tiny model cannot answer at all, so the built-in base is made once: a random tiny Qwen2-VL is
-trained on the answer tokens of the procedural task until its greedy accuracy on a validation
-split (not the held-out split RL is judged on) reaches `target_accuracy` on `patience`
-evaluations in a row, then stopped: clearly imperfect, but looking at the image.
+tiny model cannot answer at all, so the built-in base is made once: a random tiny VLM (a
+Qwen2-VL unless `model.tiny.architecture` names another family) is trained on the answer tokens
+of the procedural task until its greedy accuracy on a validation split (not the held-out split
+RL is judged on) reaches `target_accuracy` on `patience` evaluations in a row, then stopped:
+clearly imperfect, but looking at the image.
 
 The result is saved in Hugging Face format under a key of everything that determines it, so
 the same settings give the same base (reproducible by seed) and later runs reuse it.
