@@ -221,8 +221,12 @@ LLAVA_RECIPE = [
     "trainer.save_final=false",
 ]
 # Margin: the difference of two 512-prompt evaluations has a standard deviation of at most 3.1
-# points (see test_families.py). Measured with this recipe on the 2-core machine: see LLAVA_GAINS.
-LLAVA_MIN_GAIN = 0.10
+# points (see test_families.py). Measured with this recipe (seed 0, the 2-core machine shared
+# with other jobs): the base's warm-up stopped after 270 steps (Qwen2-VL's: 120); greedy held-out
+# accuracy 45.1% -> 59.4% (step 30) -> 87.9% (step 60), +42.8 points. Only seed 0 was measured,
+# so the margin is the GRPO one of test_families.py: about a third of that gain and ~5 standard
+# deviations of the evaluation noise.
+LLAVA_MIN_GAIN = 0.15
 
 
 @pytest.mark.slow
