@@ -38,8 +38,8 @@ import socket
 import time
 
 from mmrl.datasets.procedural import make_samples
-from mmrl.server.app import start_server_process
 from mmrl.server.config import ServeConfig
+from mmrl.server.process import start_server_process
 from mmrl.server.protocol import sample_to_record
 from mmrl.types import VerifyContext
 from mmrl.verifiers import get_verifier

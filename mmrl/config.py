@@ -21,6 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from mmrl.models.precision import DTYPES
 from mmrl.models.tiny import TinyVLMSpec
+from mmrl.models.tiny import architectures as tiny_architectures
 from mmrl.rewards.config import ModelRewardsConfig
 
 DTYPE_NAMES = ("auto", *DTYPES)
@@ -89,8 +90,11 @@ class ModelConfig:
     """LoRA rank (peft) on the language model's linear layers; 0: full fine-tuning."""
     lora_alpha: float = 16.0
     """LoRA scaling numerator (scale = alpha / rank)."""
-    lora_targets: str = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
-    """Regex of the module names LoRA adapts (the vision tower is excluded by default)."""
+    lora_targets: str = (
+        r".*(language_model|text_model).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)$"
+    )
+    """Regex of the module names LoRA adapts (by default the language model's, `text_model` in
+    Idefics3 / SmolVLM; the vision tower is excluded)."""
     freeze_vision: bool = False
     """Freeze the vision tower (patch embedding and blocks), as V-Triune does for stability."""
     freeze_connector: bool = False
@@ -617,6 +621,10 @@ class Config:
                 "algo.overlong_buffer must be < rollout.max_new_tokens",
             ),
             (self.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
+            (
+                self.model.tiny.architecture in tiny_architectures(),
+                f"model.tiny.architecture must be one of {', '.join(tiny_architectures())}",
+            ),
             (self.model.dtype in DTYPE_NAMES, f"model.dtype must be one of {', '.join(DTYPE_NAMES)}"),
             (
                 self.model.master_dtype in DTYPE_NAMES,

@@ -193,6 +193,39 @@ class VerifyContext:
 
 
 @dataclass
+class VisionLayout:
+    """How a batch's vision inputs (processor outputs) map to its N rows; made by the policy's
+    family adapter (`mmrl.models.families`). An input named in neither field has one entry per
+    row ([N, ...]); rows are joined by padding its other dimensions with zeros (Idefics3's
+    images per row, LLaVA-NeXT's tiles per image)."""
+
+    extents: dict[str, list[int]] = field(default_factory=dict)
+    """Inputs concatenated over the rows' images or patches: each row's number of leading
+    entries (LLaVA's `pixel_values`: images; Qwen-VL's: patches)."""
+    per_token: tuple[str, ...] = ()
+    """Inputs [N, P] aligned with the prompt ids, left padded as they are (`token_type_ids`)."""
+
+    def rows(self, rows: list[int]) -> VisionLayout:
+        """The layout of the sub-batch of `rows`."""
+        return VisionLayout({k: [e[r] for r in rows] for k, e in self.extents.items()}, self.per_token)
+
+    def check(self, vision: dict[str, torch.Tensor], n_rows: int, where: str) -> None:
+        """Raise if a tensor's leading size is not what this layout says for `n_rows` rows."""
+        for key, value in vision.items():
+            extent = self.extents.get(key)
+            if extent is None and value.shape[0] != n_rows:
+                raise ValueError(
+                    f"{where}: vision input {key!r} has {value.shape[0]} entries for {n_rows} rows, and the "
+                    "family adapter does not say how they map to rows (mmrl.models.families)"
+                )
+            if extent is not None and (len(extent) != n_rows or sum(extent) != value.shape[0]):
+                raise ValueError(
+                    f"{where}: vision input {key!r} has {value.shape[0]} entries, but the family adapter gives "
+                    f"its rows {extent} (mmrl.models.families)"
+                )
+
+
+@dataclass
 class RolloutBatch:
     """G responses for each of B prompts, laid out as [B x G, ...] rows.
 
@@ -214,15 +247,18 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor
     """[N, R] log-probabilities of the response tokens under the rollout policy."""
     vision_inputs: dict[str, torch.Tensor]
-    """Processor outputs besides ids and mask (pixel_values, image_grid_thw, mm_token_type_ids)."""
+    """Processor outputs besides ids and mask (pixel_values, image_grid_thw, token type ids, ...),
+    laid out over rows as `vision_layout` says."""
     texts: list[str]
     """Decoded responses."""
     truncated: torch.Tensor
     """[N] True where the response hit the length limit without a stop token."""
     images_per_row: list[int] = field(default_factory=list)
-    """How many images each row's prompt holds (to slice `pixel_values` by row)."""
+    """How many images each row's prompt holds."""
     group_size: int = 1
     """G, responses per prompt."""
+    vision_layout: VisionLayout = field(default_factory=VisionLayout)
+    """How `vision_inputs` map to rows (to select and join rows)."""
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

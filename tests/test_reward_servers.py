@@ -206,8 +206,8 @@ def _samples_scored(url: str) -> float:
 
 @pytest.mark.slow
 def test_three_servers_one_killed_mid_run_no_reward_lost_and_the_survivors_share_the_load(caplog):
-    from mmrl.server.app import start_server_process
     from mmrl.server.config import ServeConfig
+    from mmrl.server.process import start_server_process
 
     def start(_):
         return start_server_process(ServeConfig(port=0, workers=1, log_level="warning"))

@@ -19,9 +19,9 @@ from PIL import Image
 
 from mmrl.datasets.procedural import make_samples
 from mmrl.router import Router
-from mmrl.server.app import start_server_process
 from mmrl.server.client import RemoteRouter, RewardClient, RewardServiceUnavailable
 from mmrl.server.config import ServeConfig
+from mmrl.server.process import start_server_process
 from mmrl.types import Sample, VerifyContext
 from mmrl.verifiers import get_verifier
 
@@ -857,7 +857,7 @@ def test_remote_router_errors_surface_when_the_server_is_unreachable():
 def test_a_dead_worker_s_messages_are_queued_again_without_the_sample_it_was_scoring():
     """A message holds spans of several requests; the worker's progress (message, index in
     it) picks out the one sample to blame, and everything else it held goes back in order."""
-    from mmrl.server.app import _take_back
+    from mmrl.verifier_pool import _take_back
 
     a, b, c = object(), object(), object()
     chunks = {5: ([[a, 0, 3], [b, 2, 6]], 7), 6: ([[c, 0, 2]], 2)}

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from mmrl.config import load_config
-from mmrl.server.app import start_server_process
 from mmrl.server.config import ServeConfig
+from mmrl.server.process import start_server_process
 from mmrl.train.grpo import train
 
 pytestmark = pytest.mark.slow

@@ -203,9 +203,9 @@ def test_closing_the_router_ends_stuck_workers_and_answers_every_response():
 def test_the_server_uses_the_same_pool_sigterm_is_ignored_and_swallowed_time_outs_are_time_outs(tmp_path):
     """`mmrl serve` runs the same pool: a worker SIGTERMed mid-request goes on, a SIGKILLed one
     costs only its sample, and a time-out a library swallowed is a counted time-out."""
-    from mmrl.server.app import start_server_process
     from mmrl.server.client import RewardClient
     from mmrl.server.config import ServeConfig
+    from mmrl.server.process import start_server_process
 
     cfg = ServeConfig(port=0, workers=1, time_limit_s=0.3, kill_grace_s=0.5, plugins=["fault_verifiers"])
     record = {"data_source": "test", "reward_model": {"ground_truth": "1", "verifier": "fault"}}

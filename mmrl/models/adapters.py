@@ -1,5 +1,8 @@
 """What of the policy trains: LoRA adapters (peft), frozen vision tower / connector, and the
-optimizer's parameter groups (own learning rates for the vision tower and the connector)."""
+optimizer's parameter groups (own learning rates for the vision tower and the connector).
+Which parameters are the vision tower and the connector is the model family's to say
+(`mmrl.models.families`: Qwen-VL's `visual` / `visual.merger`, LLaVA's `vision_tower` /
+`multi_modal_projector`, Idefics3's `vision_model` / `connector`, ...)."""
 
 from __future__ import annotations
 
@@ -10,20 +13,26 @@ import torch
 from transformers import PreTrainedModel
 
 from mmrl.config import Config
-
-# Qwen2-VL / Qwen2.5-VL / Qwen3-VL module names: `...visual.merger` is the connector, the rest
-# of `...visual` the vision tower.
-_CONNECTOR = re.compile(r"(^|\.)visual\.(merger|deepstack_merger_list)(\.|$)")
-_VISION = re.compile(r"(^|\.)visual(\.|$)")
+from mmrl.models.families import family_of
 
 
-def part_of(name: str) -> str:
-    """`vision`, `connector` or `language` for a parameter or module name."""
-    if _CONNECTOR.search(name):
-        return "connector"
-    if _VISION.search(name):
-        return "vision"
-    return "language"
+def part_of(name: str, model: torch.nn.Module) -> str:
+    """`vision`, `connector` or `language` for a parameter or module name of `model`."""
+    return family_of(model).part_of(name)
+
+
+def parts(model: torch.nn.Module) -> dict[str, str]:
+    """Every parameter name of `model` -> its part (`part_of`)."""
+    family = family_of(model)
+    return {name: family.part_of(name) for name, _ in model.named_parameters()}
+
+
+def _require(model: torch.nn.Module, found: dict[str, str], part: str, setting: str) -> None:
+    if part not in found.values():
+        raise ValueError(
+            f"{setting} is set, but no parameter of {type(model).__name__} is its {part} "
+            f"(family adapter {family_of(model).name!r}, mmrl.models.families: add one for this model)"
+        )
 
 
 def apply_lora(model: PreTrainedModel, cfg: Config) -> PreTrainedModel:
@@ -40,7 +49,7 @@ def apply_lora(model: PreTrainedModel, cfg: Config) -> PreTrainedModel:
         raise ValueError(
             f"model.lora_targets={m.lora_targets!r} matches no linear layer of {type(model).__name__}"
         )
-    if any(part_of(n) != "language" for n in targets) and m.freeze_vision:
+    if any(part_of(n, model) != "language" for n in targets) and m.freeze_vision:
         raise ValueError("model.lora_targets reaches into the vision tower while model.freeze_vision is set")
     config = LoraConfig(r=m.lora_rank, lora_alpha=m.lora_alpha, lora_dropout=0.0, target_modules=targets)
     return get_peft_model(model, config)
@@ -48,8 +57,13 @@ def apply_lora(model: PreTrainedModel, cfg: Config) -> PreTrainedModel:
 
 def freeze_parts(model: torch.nn.Module, cfg: Config) -> None:
     """Freeze the vision tower, the connector and/or the MoE routers as configured."""
+    found = parts(model)
+    if cfg.model.freeze_vision:
+        _require(model, found, "vision", "model.freeze_vision")
+    if cfg.model.freeze_connector:
+        _require(model, found, "connector", "model.freeze_connector")
     for name, p in model.named_parameters():
-        part = part_of(name)
+        part = found[name]
         if (part == "vision" and cfg.model.freeze_vision) or (
             part == "connector" and cfg.model.freeze_connector
         ):
@@ -65,9 +79,14 @@ def param_groups(model: torch.nn.Module, cfg: Config) -> list[dict]:
     o = cfg.optim
     lrs = {"language": o.lr, "vision": o.vision_lr or o.lr, "connector": o.connector_lr or o.lr}
     groups: dict[str, list[torch.nn.Parameter]] = {"language": [], "vision": [], "connector": []}
+    found = parts(model)
+    if o.vision_lr is not None and not cfg.model.freeze_vision:
+        _require(model, found, "vision", "optim.vision_lr")
+    if o.connector_lr is not None and not cfg.model.freeze_connector:
+        _require(model, found, "connector", "optim.connector_lr")
     for name, p in model.named_parameters():
         if p.requires_grad:
-            groups[part_of(name)].append(p)
+            groups[found[name]].append(p)
     return [{"params": ps, "lr": lrs[part], "name": part} for part, ps in groups.items() if ps]
 
 

@@ -1,10 +1,11 @@
 """The built-in base policy: a tiny VLM given a short supervised warm-up, cached on disk.
 
 RL improves what a model can already sometimes do, as a pretrained checkpoint would. A random
-tiny model cannot answer at all, so the built-in base is made once: a random tiny Qwen2-VL is
-trained on the answer tokens of the procedural task until its greedy accuracy on a validation
-split (not the held-out split RL is judged on) reaches `target_accuracy` on `patience`
-evaluations in a row, then stopped: clearly imperfect, but looking at the image.
+tiny model cannot answer at all, so the built-in base is made once: a random tiny VLM (a
+Qwen2-VL unless `model.tiny.architecture` names another family) is trained on the answer tokens
+of the procedural task until its greedy accuracy on a validation split (not the held-out split
+RL is judged on) reaches `target_accuracy` on `patience` evaluations in a row, then stopped:
+clearly imperfect, but looking at the image.
 
 The result is saved in Hugging Face format under a key of everything that determines it, so
 the same settings give the same base (reproducible by seed) and later runs reuse it.
@@ -26,6 +27,7 @@ import torch
 
 from mmrl.config import Config
 from mmrl.datasets.procedural import make_samples, reference_response
+from mmrl.models.families import vision_layout
 from mmrl.models.loading import Policy, make_policy
 from mmrl.models.tiny import build_processor, build_tiny_vlm
 from mmrl.rollout.hf import HFRolloutEngine, encode_prompts
@@ -93,6 +95,7 @@ def teacher_forced_batch(policy: Policy, samples: list[Sample], targets: list[st
     stop = policy.stop_token_ids[0]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [stop] for t in targets]
     width = max(len(x) for x in ids)
+    images_per_row = [len(s.images) for s in samples]
     response = torch.full((len(ids), width), policy.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for i, x in enumerate(ids):
@@ -108,7 +111,8 @@ def teacher_forced_batch(policy: Policy, samples: list[Sample], targets: list[st
         vision_inputs={k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")},
         texts=targets,
         truncated=torch.zeros(len(ids), dtype=torch.bool),
-        images_per_row=[len(s.images) for s in samples],
+        images_per_row=images_per_row,
+        vision_layout=vision_layout(policy.processor, inputs, images_per_row),
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
 
+from mmrl.models.families import blocked_token_ids
 from mmrl.models.precision import Precision, model_device, precision_from
 
 
@@ -141,7 +142,8 @@ def make_policy(model: PreTrainedModel, processor: ProcessorMixin) -> Policy:
     vocab = model.get_output_embeddings().weight.shape[0]
     blocked = torch.zeros(vocab, dtype=torch.bool, device=model.get_output_embeddings().weight.device)
     blocked[len(tokenizer) :] = True  # padded rows of the embedding matrix
-    for tid in tokenizer.all_special_ids:
+    # The tokenizer's special tokens and the family's image / video tokens, never the stop tokens.
+    for tid in set(tokenizer.all_special_ids) | blocked_token_ids(model, processor):
         if tid not in stop and tid < vocab:
             blocked[tid] = True
     dtype = next(model.parameters()).dtype

@@ -1,6 +1,8 @@
-"""Tiny Qwen2-VL / Qwen2.5-VL models built from config: the real architectures, ~0.5M parameters.
+"""Tiny VLMs built from config: the real architectures, ~0.5M parameters.
 
-Everything here runs offline. The processor pairs the byte tokenizer with the real Qwen2-VL
+The Qwen-VL families are built here; LLaVA (1.5 / NeXT / OneVision), Idefics3, SmolVLM, Gemma 3
+and InternVL in `mmrl.models.tiny_families`, through the same two functions. Everything here
+runs offline. For the Qwen models, the processor pairs the byte tokenizer with the real Qwen2-VL
 image and video processors; patch and merge sizes match the vision config so that a 64x64 image
 becomes (64/8/2)^2 = 16 image tokens.
 """
@@ -30,8 +32,10 @@ class TinyVLMSpec:
     """Shape of a tiny built-in VLM. Defaults: the measured ~0.5M-parameter Qwen2-VL."""
 
     architecture: str = "qwen2_vl"
-    """`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl` or `qwen3_vl_moe` (Qwen3-VL with a mixture-of-experts
-    language model: 4 experts, top-2 routing, experts half of `intermediate_size` wide)."""
+    """`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`, `qwen3_vl_moe` (Qwen3-VL with a mixture-of-experts
+    language model: 4 experts, top-2 routing, experts half of `intermediate_size` wide), or one of
+    `mmrl.models.tiny_families.ARCHITECTURES` (`llava`, `llava_next`, `llava_onevision`,
+    `idefics3`, `smolvlm`, `gemma3`, `internvl`)."""
     hidden_size: int = 128
     """Text width; also the vision merger's output width."""
     num_layers: int = 2
@@ -61,9 +65,30 @@ TINY_MOE_EXPERTS = 4
 TINY_MOE_TOP_K = 2
 """Experts each token is routed to in the tiny `qwen3_vl_moe`."""
 
+QWEN_ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def architectures() -> tuple[str, ...]:
+    """Every `TinyVLMSpec.architecture` that can be built."""
+    from mmrl.models.tiny_families import ARCHITECTURES
+
+    return QWEN_ARCHITECTURES + ARCHITECTURES
+
+
+def _check(spec: TinyVLMSpec) -> None:
+    if spec.architecture not in architectures():
+        raise ValueError(
+            f"unknown tiny architecture {spec.architecture!r}: expected one of {', '.join(architectures())}"
+        )
+
 
 def build_processor(spec: TinyVLMSpec) -> ProcessorMixin:
-    """A Qwen2-VL (or Qwen3-VL) processor around the byte tokenizer, sized for `spec`."""
+    """The family's processor around the byte tokenizer, sized for `spec`."""
+    _check(spec)
+    if spec.architecture not in QWEN_ARCHITECTURES:
+        from mmrl.models.tiny_families import build_family_processor
+
+        return build_family_processor(spec)
     tokenizer = build_byte_tokenizer()
     pixels = spec.image_size * spec.image_size
     vision_kwargs = dict(
@@ -91,7 +116,10 @@ def build_processor(spec: TinyVLMSpec) -> ProcessorMixin:
 
 
 def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised tiny VLM whose special-token ids match `build_byte_tokenizer`."""
+    """A randomly initialised tiny VLM whose special-token ids match its processor's tokenizer."""
+    _check(spec)
+    if spec.architecture not in QWEN_ARCHITECTURES:
+        return _build_family_vlm(spec, seed)
     tokenizer = build_byte_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
     head_dim = spec.hidden_size // spec.num_heads
@@ -148,7 +176,7 @@ def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
         )
         config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
         model_cls = Qwen2_5_VLForConditionalGeneration
-    elif spec.architecture in ("qwen3_vl", "qwen3_vl_moe"):
+    else:  # qwen3_vl, qwen3_vl_moe
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
         text_config["head_dim"] = head_dim
@@ -180,13 +208,23 @@ def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
         else:
             config = Qwen3VLConfig(text_config=text_config, vision_config=vision_config, **token_ids)
             model_cls = Qwen3VLForConditionalGeneration
-    else:
-        raise ValueError(
-            f"unknown tiny architecture {spec.architecture!r}: expected 'qwen2_vl', 'qwen2_5_vl', 'qwen3_vl' "
-            "or 'qwen3_vl_moe'"
-        )
     torch.manual_seed(seed)
-    model = model_cls(config)
+    return _with_generation_ids(model_cls(config), ids)
+
+
+def _build_family_vlm(spec: TinyVLMSpec, seed: int) -> PreTrainedModel:
+    from transformers import AutoModelForImageTextToText
+
+    from mmrl.models.tiny_families import family_config, family_tokenizer
+
+    tokenizer = family_tokenizer(spec.architecture)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    config = family_config(spec)
+    torch.manual_seed(seed)
+    return _with_generation_ids(AutoModelForImageTextToText.from_config(config), ids)
+
+
+def _with_generation_ids(model: PreTrainedModel, ids: dict[str, int]) -> PreTrainedModel:
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     model.generation_config.bos_token_id = ids["<|endoftext|>"]

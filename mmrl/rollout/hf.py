@@ -5,7 +5,7 @@ so that engines that hold their own copy (vLLM) fit the same interface.
 
 The G responses of a prompt share the prompt, which is most of the sequence (a 64x64 image and
 its question are ~160 tokens; a response ~10). On models whose positions the trainer lays out
-itself (Qwen-VL: `mmrl.train.forward.shares_prompts`), each distinct prompt is prefilled once,
+itself (`mmrl.models.families.shares_prompts`), each distinct prompt is prefilled once,
 its key/value cache indexed out to its G rows, and the responses are decoded by a plain sampling
 loop over the tempered, blocked softmax (the distribution whose log-probs are recorded). Other
 models, and single-response calls (greedy evaluation), go through Hugging Face `generate`.
@@ -22,6 +22,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, 
 from transformers.generation.streamers import BaseStreamer
 
 from mmrl.algos.logprobs import masked_logits, token_logprobs
+from mmrl.models.families import vision_layout
 from mmrl.models.loading import Policy
 from mmrl.models.precision import model_device
 from mmrl.types import RolloutBatch, Sample
@@ -153,7 +154,7 @@ class HFRolloutEngine:
         stop token sampled, or at the end for truncated ones), while the other rows are still
         being generated: the trainer starts scoring it right away.
         """
-        from mmrl.train.forward import shares_prompts
+        from mmrl.models.families import shares_prompts
 
         if self.blocked.device != self.device:  # the token mask follows the model
             self.blocked = self.blocked.to(self.device)
@@ -217,6 +218,7 @@ class HFRolloutEngine:
             response.masked_fill(response_mask == 0, self.pad_token_id), skip_special_tokens=True
         )
         vision = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        images_per_row = [len(s.images) for s in rows]
         return RolloutBatch(
             samples=rows,
             prompt_ids=inputs["input_ids"],
@@ -227,7 +229,8 @@ class HFRolloutEngine:
             vision_inputs=vision,
             texts=texts,
             truncated=truncated,
-            images_per_row=[len(s.images) for s in rows],
+            images_per_row=images_per_row,
+            vision_layout=vision_layout(self.processor, inputs, images_per_row),
         )
 
     def _sample_shared(
@@ -238,15 +241,16 @@ class HFRolloutEngine:
         Decoding feeds one token per row per step with the cache; rows that have sampled a stop
         token are fed padding (masked out afterwards), as `generate` does.
         """
+        from mmrl.models.families import family_of
         from mmrl.train.batching import select_rows
-        from mmrl.train.forward import cache_argument, output_cache, position_ids
+        from mmrl.train.forward import cache_argument, output_cache
 
         G, model = params.n, self.model
         inputs = encode_prompts(self.processor, samples, self.device)
-        prompts = prompt_batch(samples, inputs)
+        prompts = prompt_batch(samples, inputs, self.processor)
         rows = [i for i in range(len(samples)) for _ in range(G)]
         index = torch.tensor(rows, dtype=torch.long, device=inputs["input_ids"].device)
-        positions = position_ids(model, inputs)  # [3, B, P]
+        positions = family_of(model).position_ids(model, inputs)  # [B, P] ([3, B, P] for mrope)
         blocked = self.blocked
         stop = torch.tensor(self.stop_token_ids, device=index.device)
         was_training = model.training
@@ -256,7 +260,7 @@ class HFRolloutEngine:
             cache = output_cache(out)
             cache.reorder_cache(index)  # [B] -> [B x G] rows
             logits = out.logits[:, -1][index]  # [N, V]
-            next_position = positions[..., -1:][:, index] + 1  # [3, N, 1]: text continues by 1
+            next_position = positions[..., -1:].index_select(-2, index) + 1  # [N, 1]: text continues by 1
             attention_mask = inputs["attention_mask"][index]
             if streamer is not None:
                 streamer.put(inputs["input_ids"][index].cpu())
@@ -347,22 +351,28 @@ class _FinishedRows(BaseStreamer):
 def encode_prompts(
     processor: ProcessorMixin, rows: list[Sample], device: torch.device | None = None
 ) -> dict[str, torch.Tensor]:
-    """Chat template + images through the processor, left padded; on `device` if given."""
+    """Chat template + images through the processor, left padded; on `device` if given. Images
+    go in as one list per row (processors that lay images out per row need it)."""
     texts = [
         processor.apply_chat_template(s.chat_messages(), add_generation_prompt=True, tokenize=False)
         for s in rows
     ]
-    images = [im for s in rows for im in s.pil_images()]
+    images = [s.pil_images() for s in rows]
     processor.tokenizer.padding_side = "left"
-    inputs = dict(processor(text=texts, images=images or None, padding=True, return_tensors="pt"))
+    inputs = dict(
+        processor(text=texts, images=images if any(images) else None, padding=True, return_tensors="pt")
+    )
     if device is not None and device.type != "cpu":
         inputs = {k: v.to(device) for k, v in inputs.items()}
     return inputs
 
 
-def prompt_batch(samples: Sequence[Sample], inputs: Mapping[str, torch.Tensor]) -> RolloutBatch:
-    """One row per sample holding only its prompt (the processor's `inputs`), no response yet:
+def prompt_batch(
+    samples: Sequence[Sample], inputs: Mapping[str, torch.Tensor], processor: ProcessorMixin
+) -> RolloutBatch:
+    """One row per sample holding only its prompt (`processor`'s `inputs`), no response yet:
     what an engine indexes out to its G rows per prompt before filling in the responses."""
+    images_per_row = [len(s.images) for s in samples]
     return RolloutBatch(
         samples=list(samples),
         prompt_ids=inputs["input_ids"],
@@ -373,7 +383,8 @@ def prompt_batch(samples: Sequence[Sample], inputs: Mapping[str, torch.Tensor]) 
         vision_inputs={k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")},
         texts=[""] * len(samples),
         truncated=torch.zeros(len(samples), dtype=torch.bool, device=inputs["input_ids"].device),
-        images_per_row=[len(s.images) for s in samples],
+        images_per_row=images_per_row,
+        vision_layout=vision_layout(processor, dict(inputs), images_per_row),
     )
 
 
@@ -397,6 +408,9 @@ def concat_rollouts(chunks: list[RolloutBatch], pad_token_id: int) -> RolloutBat
 
     P = max(c.prompt_ids.shape[1] for c in chunks)
     R = max(c.response_ids.shape[1] for c in chunks)
+    vision, layout = concat_vision_inputs(
+        [c.vision_inputs for c in chunks], [c.vision_layout for c in chunks], P
+    )
     return RolloutBatch(
         samples=[s for c in chunks for s in c.samples],
         prompt_ids=torch.cat([pad_left(c.prompt_ids, P, pad_token_id) for c in chunks]),
@@ -404,8 +418,9 @@ def concat_rollouts(chunks: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         response_ids=torch.cat([pad_right(c.response_ids, R, pad_token_id) for c in chunks]),
         response_mask=torch.cat([pad_right(c.response_mask, R, 0) for c in chunks]),
         rollout_logprobs=torch.cat([pad_right(c.rollout_logprobs, R, 0.0) for c in chunks]),
-        vision_inputs=concat_vision_inputs([c.vision_inputs for c in chunks], P),
+        vision_inputs=vision,
         texts=[t for c in chunks for t in c.texts],
         truncated=torch.cat([c.truncated for c in chunks]),
         images_per_row=[n for c in chunks for n in c.images_per_row],
+        vision_layout=layout,
     )

@@ -252,7 +252,7 @@ def rollout_from_vllm(
     group_size, n = n, 1 if greedy else n  # greedy: one completion, repeated to the G rows
     inputs = encode_prompts(processor, list(samples))
     check_prompt_ids(outputs, inputs, samples)
-    prompts = prompt_batch(samples, inputs)
+    prompts = prompt_batch(samples, inputs, processor)
     batch = select_rows(prompts, [i for i in range(len(samples)) for _ in range(n)])
     response, mask, logprobs, truncated = completion_tensors(outputs, n, stop_token_ids, pad_token_id, greedy)
     batch.response_ids, batch.response_mask, batch.rollout_logprobs = response, mask, logprobs

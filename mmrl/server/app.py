@@ -1,5 +1,11 @@
 """The reward server: an ASGI app (FastAPI on uvicorn) in front of a pool of verifier processes.
 
+Where things are: this module is the HTTP layer (the endpoints, `create_app`, `serve`, the CLI);
+`protocol.py` validates requests and builds answers; `scoring.py` is what a verifier worker runs;
+`mmrl/verifier_pool.py` is the pool (time limits, the watchdog, dead workers), shared with the
+trainer; `guard.py` the connection caps and authentication; `metrics.py` `/metrics`;
+`process.py` a server in a child process; `client.py` the client and `RemoteRouter`.
+
 Design. One server process runs the HTTP event loop; `workers` verifier processes (spawned,
 each with the verifiers warmed up) do the scoring. Rather than one request at a time per worker,
 the samples of *all* open requests go into one queue, and each worker is sent whatever has
@@ -36,237 +42,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import collections
 import contextlib
 import json
 import logging
 import math
-import os
 import socket
 import sys
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mmrl.server import protocol
 from mmrl.server.config import ServeConfig, load_serve_config
 from mmrl.server.guard import Authenticator, ConnectionGuard, guarded_protocol, redact_access_log
-from mmrl.server.protocol import RequestError, WireItem, WireResult
-from mmrl.types import VerifyContext
-from mmrl.verifier_pool import Busy, PoolEvents, VerifierPool, _take_back, freeze_heap  # noqa: F401 - _take_back: tests
-from mmrl.verifiers.registry import VerifierTimeout, call_with_time_limit, get_verifier
+from mmrl.server.metrics import Metrics
+from mmrl.server.protocol import RequestError, WireResult
+from mmrl.server.scoring import server_pool
+from mmrl.verifier_pool import Busy, VerifierPool, freeze_heap
 
 log = logging.getLogger("mmrl.server")
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-"""Upper bounds (seconds) of the request-latency histogram."""
 DRAIN_LIMIT = 256 * 1024 * 1024
 """An oversize body is read and discarded up to this size (so the client sees the 413 instead
 of a reset connection); beyond it the connection is closed."""
-
-# ---------------------------------------------------------------------------------------------
-# The worker process
-
-
-class WireScorer:
-    """The server's items in the verifier pool (`mmrl.verifier_pool`): `WireItem`s to
-    `WireResult`s. Sent to every worker; `checked` remembers samples already checked there."""
-
-    def __init__(self, time_limit_s: float, cache_size: int):
-        self.time_limit_s = time_limit_s
-        self.cache_size = cache_size
-        self.checked: OrderedDict = OrderedDict()
-
-    def __call__(self, item: WireItem, chunk: dict) -> WireResult:
-        return _score_item(item, self.checked, self.cache_size, self.time_limit_s, chunk)
-
-    def error_result(self, message: str) -> WireResult:
-        return (0.0, {}, message, None, None)
-
-
-def _score_item(
-    item: WireItem, checked: OrderedDict, cache_size: int, time_limit_s: float, samples: dict
-) -> WireResult:
-    """Score one item: the verifier's `check_sample` (remembered per ground truth and params),
-    then the verifier under the time limit; any exception is the item's error result.
-
-    `samples` (one chunk's): the responses of one sample share its fields tuple (pickle keeps
-    that sharing within a chunk), so its `Sample` is built, and checked, once per chunk; so is
-    each `VerifyContext` (keyed by (step, total_steps))."""
-    try:
-        fields = item[0]
-        # Keyed by the shared tuple's identity: every item of the chunk is alive, so no two
-        # distinct tuples can have the same key.
-        known = samples.get(id(fields))
-        if known is not None:
-            sample, verifier, problem = known
-        else:
-            sample = protocol.fields_sample(fields)
-            verifier = get_verifier(sample.reward_model.verifier)
-            key = (fields[0], repr(fields[1]), repr(fields[2]))
-            problem = checked.get(key, False)
-            if problem is False:
-                try:
-                    call_with_time_limit(lambda: verifier.check_sample(sample), time_limit_s)
-                    problem = None
-                except VerifierTimeout:
-                    return (0.0, {}, f"timeout: checking the sample ran past {time_limit_s:g}s", None, None)
-                except ValueError as exc:
-                    problem = (getattr(exc, "field", "reward_model.ground_truth"), str(exc))
-                checked[key] = problem
-                if len(checked) > cache_size:
-                    checked.popitem(last=False)
-            samples[id(fields)] = (sample, verifier, problem)
-        if problem is not None:
-            field, message = problem
-            return (0.0, {}, f"invalid sample: field '{field}': {message}", None, problem)
-        _, response, step, total_steps, native = item
-        context = samples.get((step, total_steps))
-        if context is None:
-            context = samples[(step, total_steps)] = VerifyContext(step, total_steps)
-        result = verifier(response, sample, context, time_limit_s=time_limit_s)
-        if native and result.error is None:
-            return protocol.render_fields(float(result.score), result.components, result.extracted)
-        components = {str(k): _number(v) for k, v in result.components.items()}
-        extracted = None if result.extracted is None else str(result.extracted)
-        return (float(result.score), components, result.error, extracted, None)
-    except Exception as exc:  # noqa: BLE001 - a bug anywhere is this sample's error, not the worker's end
-        return (0.0, {}, f"{type(exc).__name__}: {exc}", None, None)
-
-
-def _number(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return float("nan")
-
-
-# ---------------------------------------------------------------------------------------------
-# The pool of workers and the queue in front of it: `mmrl.verifier_pool`, shared with the trainer
-
-
-def server_pool(cfg: ServeConfig, metrics: Metrics) -> VerifierPool:
-    """The verifier pool serving `cfg` (its workers retry forever if plugins fail to import)."""
-    return VerifierPool(
-        WireScorer(cfg.time_limit_s, cfg.check_cache_size),
-        cfg.resolved_workers(),
-        time_limit_s=cfg.time_limit_s,
-        kill_grace_s=cfg.kill_grace_s,
-        plugins=cfg.plugins,
-        max_chunk=cfg.max_chunk,
-        max_pending=cfg.max_pending,
-        events=metrics,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Metrics (Prometheus text format)
-
-
-class Metrics(PoolEvents):
-    """Counters and a latency histogram, rendered in Prometheus' text exposition format."""
-
-    def __init__(self) -> None:
-        self.requests: Counter = Counter()
-        self.latency: dict[str, list[int]] = {}
-        self.latency_sum: Counter = Counter()
-        self.samples: Counter = Counter()
-        self.errors: Counter = Counter()
-        self.worker_restarts = 0
-
-    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
-        self.requests[(endpoint, status)] += 1
-        buckets = self.latency.get(endpoint)
-        if buckets is None:
-            buckets = self.latency[endpoint] = [0] * (len(LATENCY_BUCKETS) + 1)
-        buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self.latency_sum[endpoint] += seconds
-
-    def sample_done(self, verifier: str, error_kind: str | None) -> None:
-        self.samples[verifier] += 1
-        if error_kind is not None:
-            self.errors[(verifier, error_kind)] += 1
-
-    def results_done(self, items: list[WireItem], results: list[WireResult]) -> None:
-        """Count workers' results (an error kind: invalid sample, timeout or error)."""
-        samples = self.samples
-        for item, result in zip(items, results):
-            verifier = item[0][0]
-            samples[verifier] += 1
-            if type(result) is tuple and result[2] is not None:
-                kind = (
-                    "invalid"
-                    if result[4] is not None
-                    else "timeout"
-                    if result[2].startswith("timeout")
-                    else "error"
-                )
-                self.errors[(verifier, kind)] += 1
-
-    # The verifier pool's events
-    def results(self, items: list[WireItem], results: list[WireResult]) -> None:
-        self.results_done(items, results)
-
-    def failed(self, item: WireItem, kind: str) -> None:
-        self.sample_done(item[0][0], kind)
-
-    def restarted(self) -> None:
-        self.worker_restarts += 1
-
-    def render(self, pool: VerifierPool) -> str:
-        lines = [
-            "# HELP mmrl_requests_total HTTP requests by endpoint and status.",
-            "# TYPE mmrl_requests_total counter",
-        ]
-        for (endpoint, status), n in sorted(self.requests.items()):
-            lines.append(f'mmrl_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-        lines += [
-            "# HELP mmrl_request_duration_seconds Request latency by endpoint.",
-            "# TYPE mmrl_request_duration_seconds histogram",
-        ]
-        for endpoint, buckets in sorted(self.latency.items()):
-            total = 0
-            for bound, n in zip((*LATENCY_BUCKETS, math.inf), buckets):
-                total += n
-                le = "+Inf" if bound == math.inf else repr(bound)
-                lines.append(
-                    f'mmrl_request_duration_seconds_bucket{{endpoint="{endpoint}",le="{le}"}} {total}'
-                )
-            lines.append(
-                f'mmrl_request_duration_seconds_sum{{endpoint="{endpoint}"}} {self.latency_sum[endpoint]:.6f}'
-            )
-            lines.append(f'mmrl_request_duration_seconds_count{{endpoint="{endpoint}"}} {total}')
-        lines += [
-            "# HELP mmrl_samples_total Responses scored, by verifier.",
-            "# TYPE mmrl_samples_total counter",
-        ]
-        for verifier, n in sorted(self.samples.items()):
-            lines.append(f'mmrl_samples_total{{verifier="{_label(verifier)}"}} {n}')
-        lines += [
-            "# HELP mmrl_verifier_errors_total Scoring errors by verifier and kind (error, timeout, crash, invalid).",
-            "# TYPE mmrl_verifier_errors_total counter",
-        ]
-        for (verifier, kind), n in sorted(self.errors.items()):
-            lines.append(f'mmrl_verifier_errors_total{{verifier="{_label(verifier)}",kind="{kind}"}} {n}')
-        lines += [
-            "# HELP mmrl_pending_samples Samples queued or being scored.",
-            "# TYPE mmrl_pending_samples gauge",
-            f"mmrl_pending_samples {pool.pending}",
-            "# HELP mmrl_workers_ready Verifier worker processes ready to score.",
-            "# TYPE mmrl_workers_ready gauge",
-            f"mmrl_workers_ready {pool.ready_workers}",
-            "# HELP mmrl_worker_restarts_total Verifier worker processes replaced (killed or crashed).",
-            "# TYPE mmrl_worker_restarts_total counter",
-            f"mmrl_worker_restarts_total {self.worker_restarts}",
-        ]
-        return "\n".join(lines) + "\n"
-
-
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
 
 # ---------------------------------------------------------------------------------------------
 # The ASGI app
@@ -674,98 +473,3 @@ def run_serve_command(args: argparse.Namespace) -> int:
         return 2
     serve(cfg)
     return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# A server in a child process (tests, benchmarks, notebooks)
-
-
-class ServerProcess:
-    """A `mmrl serve` child process; `url` is its base URL. Stop it with `stop()` or `with`."""
-
-    def __init__(self, proc: Any, url: str, log_path: str, tmpdir: Any):
-        self.proc = proc
-        self.url = url
-        self.log_path = log_path
-        self._tmpdir = tmpdir
-
-    def log_text(self) -> str:
-        """Everything the server wrote to stdout/stderr so far."""
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._tmpdir.cleanup()
-
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def start_server_process(
-    cfg: ServeConfig,
-    *,
-    env: dict[str, str] | None = None,
-    ready_timeout_s: float = 180.0,
-    all_workers: bool = True,
-) -> ServerProcess:
-    """Start `mmrl serve` with `cfg` in a child process and wait until it is ready (every worker
-    warm with `all_workers`). `cfg.port` 0 picks a free loopback port. Raises `RuntimeError`
-    with the server's log if it exits or does not become ready in time."""
-    import subprocess
-    import tempfile
-    import urllib.request
-
-    from omegaconf import OmegaConf
-
-    cfg.validate()
-    port = cfg.port
-    bind = cfg.bind_address()
-    if port == 0:
-        with socket.socket(socket.AF_INET6 if ":" in bind else socket.AF_INET) as s:
-            s.bind((bind, 0))
-            port = s.getsockname()[1]
-    tmpdir = tempfile.TemporaryDirectory(prefix="mmrl-serve-")
-    config_path = os.path.join(tmpdir.name, "serve.yaml")
-    with open(os.open(config_path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    log_path = os.path.join(tmpdir.name, "serve.log")
-    code = "import sys; from mmrl.server import main; sys.exit(main(sys.argv[1:]))"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code, "--config", config_path, "--port", str(port)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-    host = f"[{bind}]" if ":" in bind else bind
-    server = ServerProcess(proc, f"http://{host}:{port}", log_path, tmpdir)
-    wanted = cfg.resolved_workers() if all_workers else 1
-    deadline = time.monotonic() + ready_timeout_s
-    while True:
-        if proc.poll() is not None:
-            text = server.log_text()
-            server.stop()
-            raise RuntimeError(f"the reward server exited with status {proc.returncode}:\n{text}")
-        try:
-            with urllib.request.urlopen(server.url + "/ready", timeout=2) as answer:
-                if json.loads(answer.read())["workers_ready"] >= wanted:
-                    return server
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            text = server.log_text()
-            server.stop()
-            raise RuntimeError(f"the reward server was not ready after {ready_timeout_s:g}s:\n{text}")
-        time.sleep(0.1)

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmrl.types import RolloutBatch
-
-# Processor outputs that are per image (concatenated over images), keyed to their grid tensor.
-_PER_IMAGE = {"pixel_values": "image_grid_thw"}
+from mmrl.types import RolloutBatch, VisionLayout
 
 
 def pad_left(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
@@ -24,38 +21,51 @@ def pad_right(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
     return torch.cat([t, pad], dim=1)
 
 
-def concat_vision_inputs(parts: list[dict[str, torch.Tensor]], prompt_width: int) -> dict[str, torch.Tensor]:
-    """Concatenate processor outputs of several row chunks; per-token ones are left padded."""
-    out: dict[str, torch.Tensor] = {}
-    for key in parts[0]:
-        tensors = [p[key] for p in parts]
-        if key == "mm_token_type_ids":
-            tensors = [pad_left(t, prompt_width, 0) for t in tensors]
-        out[key] = torch.cat(tensors, dim=0)
+def pad_to(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`t` padded with zeros at the end of every dimension but the first, up to `shape[1:]`."""
+    if tuple(t.shape[1:]) == tuple(shape[1:]):
+        return t
+    out = t.new_zeros((t.shape[0], *shape[1:]))
+    out[tuple(slice(0, n) for n in t.shape)] = t
     return out
 
 
+def concat_vision_inputs(
+    parts: list[dict[str, torch.Tensor]], layouts: list[VisionLayout], prompt_width: int
+) -> tuple[dict[str, torch.Tensor], VisionLayout]:
+    """Join the vision inputs of several row chunks (`layouts` theirs): per-token ones left
+    padded to `prompt_width`, the others' trailing dimensions padded with zeros to the largest
+    (Idefics3's images per row, LLaVA-NeXT's tiles per image)."""
+    out: dict[str, torch.Tensor] = {}
+    first = layouts[0]
+    for key in parts[0]:
+        tensors = [p[key] for p in parts]
+        if key in first.per_token:
+            tensors = [pad_left(t, prompt_width, 0) for t in tensors]
+        else:
+            shape = tuple(max(sizes) for sizes in zip(*(t.shape for t in tensors)))
+            tensors = [pad_to(t, shape) for t in tensors]
+        out[key] = torch.cat(tensors, dim=0)
+    extents = {k: [n for lay in layouts for n in lay.extents[k]] for k in first.extents}
+    return out, VisionLayout(extents, first.per_token)
+
+
 def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
-    """The sub-batch of the given rows, with exactly those rows' image patches."""
+    """The sub-batch of the given rows, with exactly those rows' vision inputs."""
     index = torch.tensor(rows, dtype=torch.long, device=batch.prompt_ids.device)
+    layout = batch.vision_layout
+    layout.check(batch.vision_inputs, len(batch), "select_rows")
     vision: dict[str, torch.Tensor] = {}
-    image_starts = [0]
-    for n in batch.images_per_row:
-        image_starts.append(image_starts[-1] + n)
-    image_index = [i for r in rows for i in range(image_starts[r], image_starts[r + 1])]
     for key, value in batch.vision_inputs.items():
-        if key in _PER_IMAGE:
-            grid = batch.vision_inputs[_PER_IMAGE[key]]
-            sizes = grid.prod(dim=-1).tolist()
-            offsets = [0]
-            for s in sizes:
-                offsets.append(offsets[-1] + s)
-            pieces = [value[offsets[i] : offsets[i + 1]] for i in image_index]
-            vision[key] = torch.cat(pieces) if pieces else value[:0]
-        elif key in _PER_IMAGE.values():
-            vision[key] = value[image_index]
-        else:  # per-row tensors
+        extent = layout.extents.get(key)
+        if extent is None:  # one entry per row
             vision[key] = value[index]
+            continue
+        starts = [0]
+        for n in extent:
+            starts.append(starts[-1] + n)
+        pieces = [value[starts[r] : starts[r + 1]] for r in rows]
+        vision[key] = torch.cat(pieces) if pieces else value[:0]
     return RolloutBatch(
         samples=[batch.samples[r] for r in rows],
         prompt_ids=batch.prompt_ids[index],
@@ -68,6 +78,7 @@ def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
         truncated=batch.truncated[index],
         images_per_row=[batch.images_per_row[r] for r in rows],
         group_size=batch.group_size,
+        vision_layout=layout.rows(rows),
     )
 
 
@@ -102,7 +113,7 @@ def model_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     for key, value in batch.vision_inputs.items():
-        if key == "mm_token_type_ids":
+        if key in batch.vision_layout.per_token:  # responses are text: type 0
             value = pad_right(value, input_ids.shape[1], 0)
         inputs[key] = value
     return inputs

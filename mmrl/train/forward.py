@@ -5,13 +5,16 @@ sequence (a 64x64 image and its question are ~160 tokens, a response ~10). So wh
 prompt, the prompt (vision tower included) goes through the model once per distinct prompt, and
 its key/value cache is indexed out to the rows that share it; the responses then attend to it.
 Gradients flow back through the cache into the shared prompt pass, so the log-probs, the loss and
-the gradients are those of the plain full-sequence forward (to float rounding: tested).
+the gradients are those of the plain full-sequence forward (to float rounding: tested). Where it
+does not apply (the family adapter says so, `mmrl.models.families`, or gradient checkpointing is
+on while training) the plain forward runs, and the log says so once.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -20,8 +23,18 @@ import torch
 from transformers import PreTrainedModel
 
 from mmrl.algos.logprobs import chunk_positions, head_full_kl, head_logprobs, module_head_logprobs
+from mmrl.models.families import family_of, shares_prompts
 from mmrl.train.batching import model_inputs, prompt_groups, select_rows
 from mmrl.types import RolloutBatch
+
+log = logging.getLogger(__name__)
+_said: set[str] = set()
+
+
+def _say_once(why: str) -> None:
+    if why not in _said:
+        _said.add(why)
+        log.info("shared-prompt forward off, using the plain forward: %s", why)
 
 
 def response_logprobs(
@@ -164,14 +177,19 @@ def full_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
     """Final hidden states [N, R, H] of the positions that predict each response token (position
     t predicts response token t), from one forward over prompt + response."""
     P, R = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    out = decoder(model)(**model_inputs(batch), use_cache=False)
+    inputs = model_inputs(batch)
+    positions = family_of(model).position_ids(model, inputs)  # as generation lays them out
+    out = decoder(model)(
+        **inputs, use_cache=False, **({} if positions is None else {"position_ids": positions})
+    )
     return out.last_hidden_state[:, P - 1 : P + R - 1]
 
 
 def shared_prompt_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor | None:
     """Final hidden states [N, R, H] predicting each response token, computing every distinct
-    prompt once; None when no two rows share a prompt or the model's positions cannot be laid
-    out here (or gradient checkpointing, which drops the cache, is on while training).
+    prompt once; None when no two rows share a prompt, or sharing does not apply to the model
+    (its family adapter says so, or gradient checkpointing, which drops the cache, is on while
+    training: logged once).
 
     1. a prompt pass over the distinct prompts (with their images) at the positions the model's
        own full forward gives them, keeping the cache; its last position predicts the first
@@ -181,7 +199,10 @@ def shared_prompt_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.T
        positions continue the prompt's last one by 1 per token, as in the full forward (and in
        the rollout engine, `mmrl.rollout.hf`).
     """
-    if not shares_prompts(model) or (model.training and gradient_checkpointing(model)):
+    if not shares_prompts(model):
+        return None
+    if model.training and gradient_checkpointing(model):
+        _say_once("gradient checkpointing drops the key/value cache the shared prompt pass needs")
         return None
     groups = prompt_groups(batch)
     if groups is None:
@@ -191,7 +212,7 @@ def shared_prompt_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.T
     core = decoder(model)
     prompts = select_rows(batch, first)
     inputs = {"input_ids": prompts.prompt_ids, "attention_mask": prompts.prompt_mask, **prompts.vision_inputs}
-    positions = position_ids(model, inputs)  # [3, U, P]
+    positions = family_of(model).position_ids(model, inputs)  # [U, P] ([3, U, P] for mrope)
     out = core(**inputs, position_ids=positions, use_cache=True)
     head = out.last_hidden_state[:, -1:][inverse]  # [N, 1, H]: predicts response token 0
     if R == 1:
@@ -202,7 +223,7 @@ def shared_prompt_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.T
     out = core(
         input_ids=batch.response_ids[:, :-1],
         attention_mask=torch.cat([batch.prompt_mask, batch.response_mask[:, :-1]], dim=1),
-        position_ids=positions[..., -1:][:, inverse] + steps,  # [3, N, R-1]
+        position_ids=positions[..., -1:].index_select(-2, inverse) + steps,  # [N, R-1] ([3, N, R-1])
         use_cache=True,
         **{cache_argument(core): cache},
     )
@@ -243,35 +264,6 @@ def gradient_checkpointing(model: torch.nn.Module) -> bool:
     return bool(flag.__get__(base)) if flag is not None else False
 
 
-def position_ids(model: PreTrainedModel, inputs: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """Position ids [3, N, L] of model inputs (ids, mask, processor outputs), as the model's full
-    forward lays them out: Qwen-VL multimodal RoPE (`compute_3d_position_ids`), or 0..L-1 when
-    there is no image. None for models without that layout (they take the plain paths)."""
-    core = _multimodal_core(model)
-    if core is None:
-        return None
-    input_ids = inputs["input_ids"]
-    extra = {k: inputs.get(k) for k in _signature(type(core).compute_3d_position_ids) & _GRID_INPUTS}
-    with torch.no_grad():
-        positions = core.compute_3d_position_ids(
-            input_ids=input_ids,
-            inputs_embeds=None,
-            attention_mask=inputs["attention_mask"],
-            cache=None,
-            **extra,
-        )
-    if positions is None:  # no images: the text model counts positions from 0, padding included
-        L = input_ids.shape[1]
-        positions = torch.arange(L, device=input_ids.device).view(1, 1, L).expand(3, input_ids.shape[0], L)
-    return positions
-
-
-def shares_prompts(model: PreTrainedModel) -> bool:
-    """Whether rows with the same prompt can share one prompt pass on this model: the models
-    whose positions `position_ids` lays out (see the module docs)."""
-    return _multimodal_core(model) is not None
-
-
 def cache_argument(model: torch.nn.Module) -> str:
     """The forward's keyword for a key/value cache (`cache` in recent transformers)."""
     return "cache" if "cache" in _signature(type(_base(model)).forward) else "past_key_values"
@@ -284,21 +276,8 @@ def output_cache(out) -> object:
     return cache if cache is not None else out.past_key_values
 
 
-_GRID_INPUTS = frozenset({"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids"})
-_POSITION_ARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "cache"})
-
-
 def _base(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA (peft)
-
-
-def _multimodal_core(model: torch.nn.Module):
-    """The inner model that lays out multimodal positions (Qwen-VL's `model`), or None."""
-    core = getattr(_base(model), "model", None)
-    method = getattr(type(core), "compute_3d_position_ids", None)
-    if method is None or not _POSITION_ARGS <= _signature(method):
-        return None
-    return core
 
 
 @functools.lru_cache(maxsize=64)
