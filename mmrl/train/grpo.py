@@ -146,7 +146,8 @@ class Trainee:
 class Composition:
     """How a run is put together from the same pieces: what builds the trainee and what one step
     is. The default is the single-process, on-policy loop; `trainer.backend=ray`
-    (`mmrl.distributed.ray_backend`) and `trainer.mode=async` (`mmrl.train.async_grpo`) swap them."""
+    (`mmrl.distributed.ray_backend`), `trainer.mode=async` (`mmrl.train.async_grpo`) and
+    `trainer.strategy=deepspeed` (`mmrl.distributed.deepspeed_group`) swap them."""
 
     make_trainee: Callable[[Config, Policy, Path | None], Trainee]
     step: Callable[..., dict[str, float]]
@@ -162,6 +163,10 @@ def composition(cfg: Config) -> Composition:
         from mmrl.train.async_grpo import async_composition
 
         return async_composition(cfg)
+    if cfg.trainer.strategy == "deepspeed":
+        from mmrl.distributed.deepspeed_group import deepspeed_composition
+
+        return deepspeed_composition(cfg)
     return Composition(make_trainee=make_trainee, step=grpo_step)
 
 
