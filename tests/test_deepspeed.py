@@ -214,37 +214,56 @@ def test_two_process_zero2_and_zero3_updates_equal_the_single_process_update(dee
         )
 
 
+def _skips_then_updates(cfg, t, step_files, caplog, atol: float) -> None:
+    """On trainee `t`: a NaN advantage in each mini-batch (a non-finite loss), then a NaN gradient
+    of one parameter: every step is skipped and no weight moves. The next update is then the
+    first one (a skipped step leaves the optimizer as it was): the plain trainer's, within `atol`."""
+    batch, advantages = step_files["batch"], step_files["advantages"]
+    old, ref = t.old_and_ref_logprobs(cfg, batch)
+    torch.testing.assert_close(old, step_files["old"], atol=1e-6, rtol=0)
+    bad = advantages.clone()
+    bad[[0, 8]] = float("nan")
+    with caplog.at_level(logging.WARNING, logger="mmrl.train.update"):
+        assert t.update_policy(cfg, batch, bad, old, ref, None)["actor/skipped_steps"] == 2
+        param = next(p for p in t.policy.model.parameters() if p.requires_grad)
+        handle = param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+        try:
+            assert t.update_policy(cfg, batch, advantages, old, ref, None)["actor/skipped_steps"] == 2
+        finally:
+            handle.remove()
+    assert "non-finite loss" in caplog.text and "non-finite gradient" in caplog.text
+    assert _worst(t.policy.model.state_dict(), step_files["initial"]) == 0.0
+    metrics = t.update_policy(cfg, batch, advantages, old, ref, None)
+    assert metrics["actor/skipped_steps"] == 0
+    assert metrics["actor/grad_norm"] == pytest.approx(step_files["metrics"]["actor/grad_norm"], rel=1e-5)
+    worst = _worst(t.policy.model.state_dict(), step_files["single"])
+    assert worst <= atol, f"parameters differ by up to {worst:.2e}"
+
+
+def test_the_plain_trainer_skips_a_nan_loss_and_a_nan_gradient_without_touching_the_optimizer(
+    step_files, caplog
+):
+    cfg = load_config("vision_reasoning", overrides=OVERRIDES)
+    t = make_trainee(cfg, load_policy(step_files["dir"]))
+    try:
+        _skips_then_updates(cfg, t, step_files, caplog, atol=0.0)  # the same arithmetic: exact
+    finally:
+        t.close()
+
+
 @pytest.mark.slow
-def test_the_local_one_process_engine_updates_as_the_plain_trainer_and_skips_a_nan_loss(
+def test_the_local_one_process_engine_skips_non_finite_steps_and_updates_as_the_plain_trainer(
     deepspeed, step_files, caplog
 ):
     from mmrl.distributed.deepspeed_group import make_deepspeed_trainee
 
     cfg = load_config("vision_reasoning", overrides=[*OVERRIDES, "trainer.strategy=deepspeed"])
-    batch, advantages = step_files["batch"], step_files["advantages"]
     t = make_deepspeed_trainee(cfg, load_policy(step_files["dir"]))
     try:
-        old, ref = t.old_and_ref_logprobs(cfg, batch)
-        torch.testing.assert_close(old, step_files["old"], atol=1e-6, rtol=0)
-        metrics = t.update_policy(cfg, batch, advantages, old, ref, None)
         # The rollout engine, checkpoints and the final save read the module the engine trains.
         assert t.engine.model is t.policy.model and t.ds_engine.module is t.policy.model
-        after = {k: v.detach().clone() for k, v in t.policy.model.state_dict().items()}
-        assert _worst(after, step_files["single"]) <= PARAM_ATOL
-        assert metrics["actor/grad_norm"] == pytest.approx(step_files["metrics"]["actor/grad_norm"], rel=1e-5)
-        assert metrics["actor/skipped_steps"] == 0
-
-        # A NaN advantage in each mini-batch: both steps are skipped and nothing moves (DeepSpeed
-        # drops the accumulated gradients in its own overflow skip), then the engine trains on.
-        bad = advantages.clone()
-        bad[[0, 8]] = float("nan")
-        with caplog.at_level(logging.WARNING, logger="mmrl.train.update"):
-            skipped = t.update_policy(cfg, batch, bad, old, ref, None)
-        assert skipped["actor/skipped_steps"] == 2 and "non-finite loss" in caplog.text
-        now = t.policy.model.state_dict()
-        assert all(torch.equal(now[k], after[k]) for k in after)
-        assert t.update_policy(cfg, batch, advantages, old, ref, None)["actor/skipped_steps"] == 0
-        assert _worst(t.policy.model.state_dict(), after) > 50 * PARAM_ATOL
+        # DeepSpeed drops a skipped step's gradients in its own overflow skip.
+        _skips_then_updates(cfg, t, step_files, caplog, atol=PARAM_ATOL)
     finally:
         t.close()
 
@@ -309,3 +328,48 @@ def test_a_local_deepspeed_run_resumes_exactly_from_its_consolidated_optimizer_s
     ]
     for key in ("master", "exp_avg", "exp_avg_sq"):
         assert all(torch.equal(a[key][n], b[key][n]) for n in b[key]), key
+
+
+@pytest.mark.slow
+def test_a_short_ray_run_trains_with_a_two_process_zero3_group(
+    deepspeed, tmp_path, tmp_path_factory, step_files
+):
+    ray = pytest.importorskip("ray")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )
+    try:
+        result = train(
+            load_config(
+                "vision_reasoning",
+                overrides=[
+                    *SMALL_RUN,
+                    f"model.path={step_files['dir']}",
+                    f"trainer.run_dir={tmp_path / 'run'}",
+                    "trainer.total_steps=2",
+                    "trainer.eval_every=2",
+                    "trainer.backend=ray",
+                    "trainer.rollout_workers=1",
+                    "trainer.train_workers=2",
+                    "trainer.ray_cpus_per_actor=0.5",
+                    "trainer.zero_stage=3",
+                    "trainer.zero_offload_params=true",
+                ],
+            )  # fmt: skip
+        )
+    finally:
+        ray.shutdown()
+    assert result.steps == 2 and not result.interrupted
+    steps = [r for r in _metrics(result.run_dir) if "rollout/kl_k1" in r]
+    assert len(steps) == 2 and all(r["actor/grad_norm"] > 0 for r in steps)
+    # After each update the group's gathered weights reach the rollout worker: its log-probs
+    # equal the group's recomputation (a stale worker would differ by ~1e-3 at this lr).
+    assert all(abs(r["rollout/kl_k1"]) < 1e-5 for r in steps)
+    # The checkpoint holds the group's consolidated optimizer state.
+    optimizer = torch.load(result.run_dir / "checkpoints/step_00000002/trainer_state.pt", weights_only=False)[
+        "optimizer"
+    ]
+    assert optimizer["step"] == 4 and optimizer["master"].keys() == optimizer["exp_avg"].keys()

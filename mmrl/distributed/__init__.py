@@ -7,5 +7,6 @@
     ray_backend.py      trainer.backend=ray: rollout workers, a reward worker and the training
                         group as Ray actors, composed into the same loop as the local backend
 
-Ray, DeepSpeed and the group's launch are imported lazily: nothing here is needed by a local run.
+Ray, DeepSpeed and the group's launch are imported lazily: a local run with the default strategy
+needs nothing here.
 """

@@ -31,10 +31,17 @@ Two compositions use it:
                             master weights and Adam moments, ~84 GB, live in host memory)
 
 Checkpoints: the optimizer state is consolidated per parameter name (float32 master weight, Adam
-moments, step count, learning rates: `consolidated_optimizer_state`) and put back into the
-partitions on resume (`load_consolidated_optimizer_state`), whatever the stage, offload or world
-size. Tested: `tests/test_deepspeed.py` (the 2-process ZeRO-2 and ZeRO-3 updates against the
-1-process one, the local backend's resume, a Ray run).
+moments, step count, learning rates: `consolidated_optimizer_state`, any stage or world size) and
+put back into the partitions when a local run resumes (`load_consolidated_optimizer_state`; the
+Ray backend does not resume yet). Tested: `tests/test_deepspeed.py` (the 2-process ZeRO-2 and
+ZeRO-3 updates against the 1-process one, the local backend's update and resume, a Ray run).
+
+ZeRO-3 records the order in which the model's modules run and requires it to be the same on every
+process. mmrl's forward keeps it so when the processes' shares are alike: whole prompt groups
+(checked in the config), the LM head's weight gathered for the whole pass (`register_head`). A
+batch mixing samples with and without images could still give two processes different modules
+(the vision tower runs only for images): DeepSpeed then stops with "Detected a disagreement on
+list length".
 
 Compiled ops: DeepSpeed builds its C++ ops on first use (`DS_BUILD_OPS=0` installs none): on the
 CPU a communication op (~50 s) at the first `initialize`, CPU Adam (~75 s) at the first engine with
@@ -259,10 +266,17 @@ def _trainable(engine) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
 
 
+def _flat_partitions(engine) -> list[torch.Tensor]:
+    """This process's float32 partitions, the tensors the base optimizer steps (ZeRO-1/2: one per
+    parameter group; ZeRO-3: one per sub-group)."""
+    zero = engine.optimizer
+    flats = getattr(zero, "single_partition_of_fp32_groups", None)
+    return list(flats if flats is not None else zero.fp32_partitioned_groups_flat)
+
+
 def _adam_states(engine) -> list[dict]:
-    """The base optimizer's state of each of its (flat partition) parameters."""
-    opt = engine.basic_optimizer
-    return [opt.state[p] for g in opt.param_groups for p in g["params"]]
+    """The base optimizer's state of each flat partition."""
+    return [engine.optimizer.optimizer.state[p] for p in _flat_partitions(engine)]
 
 
 def _link_adam_states(engine) -> None:
@@ -315,15 +329,14 @@ def load_consolidated_optimizer_state(engine, state: dict[str, Any]) -> None:
             f"the checkpoint's optimizer state is not a DeepSpeed one of this model (no master weight for "
             f"{missing[:3]}); it was written by another trainer.strategy or model"
         )
-    opt = engine.basic_optimizer
+    opt = engine.optimizer.optimizer
     if "exp_avg" in state:
         # Adam creates its state lazily at the first step: create it (zeros) to fill it.
-        for group in opt.param_groups:
-            for p in group["params"]:
-                s = opt.state[p]
-                for k in ADAM_KEYS:
-                    s.setdefault(k, torch.zeros_like(p, dtype=torch.float32))
-                s.setdefault("step", 0 if isinstance(opt, _cpu_adam_type()) else torch.tensor(0.0))
+        for flat in _flat_partitions(engine):
+            s = opt.state[flat]
+            for k in ADAM_KEYS:
+                s.setdefault(k, torch.zeros_like(flat, dtype=torch.float32))
+            s.setdefault("step", 0 if isinstance(opt, _cpu_adam_type()) else torch.tensor(0.0))
         _link_adam_states(engine)
     for name, p in _trainable(engine):
         safe_set_full_fp32_param(p, state["master"][name].to(p.device))
@@ -369,10 +382,6 @@ class DeepSpeedOptimizerState:
     @property
     def state(self) -> dict:
         return self.engine.basic_optimizer.state
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.engine.basic_optimizer.param_groups
 
     def state_dict(self) -> dict[str, Any]:
         return consolidated_optimizer_state(self.engine, dist.get_rank())

@@ -22,6 +22,10 @@ a process), an entropy bonus only with `loss_agg=token_mean` (its normaliser is 
 no DAPO dynamic sampling (rows must split evenly), no LoRA yet. A non-finite loss in one
 process skips its micro-batches but not the others': the group would stop in a collective.
 
+`trainer.strategy=deepspeed` swaps FSDP2 for DeepSpeed ZeRO in the same class's place
+(`learner_class`; `mmrl.distributed.deepspeed_group.DeepSpeedLearner`): the same rows, shares and
+update, DeepSpeed's engine, optimizer and clipping.
+
 Launch: one `GroupLearner` per process, each told its rank, the world size and a rendezvous
 (`init_method`): Ray actors (`mmrl.distributed.ray_backend`), or any launcher such as
 `torchrun` (`GroupLearner.from_env` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
