@@ -252,18 +252,35 @@ def test_the_plain_trainer_skips_a_nan_loss_and_a_nan_gradient_without_touching_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("offload", [False, True], ids=["adamw", "cpu-adam-offload"])
 def test_the_local_one_process_engine_skips_non_finite_steps_and_updates_as_the_plain_trainer(
-    deepspeed, step_files, caplog
+    deepspeed, step_files, caplog, offload
 ):
+    """ZeRO-2 in one process, its AdamW on the partitions or, offloaded, DeepSpeedCPUAdam on the
+    host (its op is built once, ~75 s, into the shared cache)."""
     from mmrl.distributed.deepspeed_group import make_deepspeed_trainee
 
-    cfg = load_config("vision_reasoning", overrides=[*OVERRIDES, "trainer.strategy=deepspeed"])
+    overrides = [*OVERRIDES, "trainer.strategy=deepspeed", f"trainer.zero_offload_optimizer={offload}"]
+    cfg = load_config("vision_reasoning", overrides=overrides)
     t = make_deepspeed_trainee(cfg, load_policy(step_files["dir"]))
     try:
+        optimizer = type(t.ds_engine.basic_optimizer).__name__
+        assert optimizer == ("DeepSpeedCPUAdam" if offload else "AdamW")
         # The rollout engine, checkpoints and the final save read the module the engine trains.
         assert t.engine.model is t.policy.model and t.ds_engine.module is t.policy.model
-        # DeepSpeed drops a skipped step's gradients in its own overflow skip.
+        # DeepSpeed drops a skipped step's gradients in its own overflow skip (offloaded: on the
+        # host, by another path).
         _skips_then_updates(cfg, t, step_files, caplog, atol=PARAM_ATOL)
+        # The consolidated state goes back in unchanged (CPU Adam counts steps in ints).
+        state = t.optimizer.state_dict()
+        assert state["step"] == 2 and len(state["exp_avg"]) == len(state["master"])
+        t.optimizer.load_state_dict(state)
+        again = t.optimizer.state_dict()
+        assert again["step"] == 2 and all(
+            torch.equal(again[k][n], state[k][n])
+            for k in ("master", "exp_avg", "exp_avg_sq")
+            for n in state[k]
+        )
     finally:
         t.close()
 
