@@ -63,7 +63,7 @@ from mmrl.train.preflight import plan_resume
                 "trainer.strategy=deepspeed",
                 "trainer.backend=ray",
                 "trainer.zero_stage=3",
-                "trainer.train_workers=2",
+                "trainer.train_workers=4",
                 "trainer.prompts_per_step=6",
                 "trainer.mini_batches=1",
             ],  # fmt: skip
