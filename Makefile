@@ -10,6 +10,10 @@ export PYTHONSAFEPATH := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# DeepSpeed installs without building its C++ ops; they are built on first use and cached here
+# (kept across runs and CI jobs, shared by every process of a run).
+export DS_BUILD_OPS := 0
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/mmrl/torch_extensions
 
 .PHONY: install run test wheel-check lint format bench clean
 

@@ -4,6 +4,10 @@
     local async (S=1)        trainer.mode=async trainer.max_staleness=1 algo.tis=token
     Ray, 1 rollout worker    trainer.backend=ray trainer.rollout_workers=1 trainer.train_workers=1
     Ray, 2 rollout workers   trainer.backend=ray trainer.rollout_workers=2 trainer.train_workers=1
+    local DeepSpeed ZeRO-2   trainer.strategy=deepspeed (the update by a one-process engine)
+    Ray, FSDP2 x2            trainer.backend=ray trainer.rollout_workers=1 trainer.train_workers=2
+    Ray, DeepSpeed ZeRO-2 x2 ... trainer.strategy=deepspeed trainer.zero_stage=2
+    Ray, DeepSpeed ZeRO-3 x2 ... trainer.strategy=deepspeed trainer.zero_stage=3
 
     python benchmarks/distributed.py [--steps N] [--only NAME ...] [key=value ...]
 
@@ -12,8 +16,9 @@ timed steps of the default recipe (16 prompts x 8 responses) on the built-in bas
 samples/s, generated tokens/s, wall time per step, the first two as ratios to local on-policy,
 and where a step's time goes. In async mode `rollout` is the wait for the generator's batch
 (generation overlapped with the previous update), not the generation itself.
-Ray actors get `trainer.ray_cpus_per_actor=0.5` (two rollout workers, the training process and
-the reward worker fill 2 CPUs) and one torch thread each. On a 2-core machine every layout
+Ray actors get `trainer.ray_cpus_per_actor=0.5` (two rollout workers, or one and a 2-process
+training group, and the reward worker fill 2 CPUs) and one torch thread each. The last three
+compare the training group's strategies on the same layout (FSDP2, DeepSpeed ZeRO-2, ZeRO-3). On a 2-core machine every layout
 shares the same two cores, so this measures the overheads and the overlap, not the scaling a
 cluster gives: read the ratios with that in mind.
 """
@@ -49,6 +54,21 @@ LAYOUTS: dict[str, list[str]] = {
         "trainer.train_workers=1",
         "trainer.ray_cpus_per_actor=0.5",
     ],
+    "local DeepSpeed ZeRO-2": ["trainer.strategy=deepspeed"],
+    **{
+        name: [
+            "trainer.backend=ray",
+            "trainer.rollout_workers=1",
+            "trainer.train_workers=2",
+            "trainer.ray_cpus_per_actor=0.5",
+            *strategy,
+        ]
+        for name, strategy in {
+            "Ray, FSDP2 x2": ["trainer.strategy=fsdp2"],
+            "Ray, DeepSpeed ZeRO-2 x2": ["trainer.strategy=deepspeed", "trainer.zero_stage=2"],
+            "Ray, DeepSpeed ZeRO-3 x2": ["trainer.strategy=deepspeed", "trainer.zero_stage=3"],
+        }.items()
+    },
 }
 
 
@@ -99,6 +119,8 @@ def main() -> None:
     args = parser.parse_args()
     names = args.only or list(LAYOUTS)
     common = ["trainer.progress=false", *args.overrides]
+    # DeepSpeed's ops, built at its first start (~50 s on the CPU), reused from the tests' cache.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/mmrl/torch_extensions"))
 
     ray = None
     if any("backend=ray" in o for n in names for o in LAYOUTS[n]):
@@ -121,14 +143,14 @@ def main() -> None:
         f"\nGRPO layouts on vision_reasoning (built-in base): {args.steps} timed steps of {B} x {G} responses"
     )
     print(
-        f"{'layout':<24} {'samples/s':>10} {'tokens/s':>10} {'s/step':>8} {'x samples/s':>12} {'x tokens/s':>11} {'reward':>7}"
+        f"{'layout':<25} {'samples/s':>10} {'tokens/s':>10} {'s/step':>8} {'x samples/s':>12} {'x tokens/s':>11} {'reward':>7}"
     )
     base = results.get("local on-policy")
     for name, m in results.items():
         ratio = f"{m.samples_per_s / base.samples_per_s:11.2f}x" if base else f"{'-':>12}"
         tratio = f"{m.tokens_per_s / base.tokens_per_s:10.2f}x" if base else f"{'-':>11}"
         print(
-            f"{name:<24} {m.samples_per_s:10.1f} {m.tokens_per_s:10.1f} {m.step_s:8.2f} {ratio} {tratio} "
+            f"{name:<25} {m.samples_per_s:10.1f} {m.tokens_per_s:10.1f} {m.step_s:8.2f} {ratio} {tratio} "
             f"{m.reward:7.3f}   {m.parts['rollout']:.2f} / {m.parts['prep']:.2f} / {m.parts['update']:.2f}"
         )
     print(

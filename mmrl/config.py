@@ -508,7 +508,22 @@ class TrainerConfig:
     across nodes (a SPREAD placement group); responses go to the one with the fewest waiting."""
     train_workers: int = 1
     """Ray: processes of the training group (data parallel, parameters, gradients and optimizer
-    state sharded with FSDP2); each mini-batch is split evenly between them."""
+    state sharded by `strategy`); each mini-batch is split evenly between them."""
+    strategy: str = "fsdp2"
+    """How the policy update is sharded: `fsdp2` (PyTorch FSDP2 in a Ray training group; the
+    plain torch optimizer on the local backend) or `deepspeed` (DeepSpeed ZeRO, its optimizer,
+    clipping and bf16 master weights; on the local backend too, in one process). The
+    `distributed` extra."""
+    zero_stage: int = 2
+    """`strategy=deepspeed`: ZeRO stage 2 (optimizer state and gradients partitioned across the
+    training group, parameters whole on every process) or 3 (parameters partitioned too,
+    gathered a layer at a time; Ray backend only)."""
+    zero_offload_optimizer: bool = False
+    """`strategy=deepspeed`: keep the optimizer state and float32 master weights in host memory and
+    step them there with DeepSpeedCPUAdam (ZeRO-Offload: a 7B model trains on one GPU)."""
+    zero_offload_params: bool = False
+    """`strategy=deepspeed` with `zero_stage=3`: keep the partitioned parameters in host memory,
+    fetched to the device a layer at a time."""
     ray_address: str | None = None
     """Ray: the cluster to join (`auto`, or `ray://host:port`); None: the running one, else a new
     local one."""
@@ -710,6 +725,7 @@ class Config:
                 or self.algo.loss_agg == "token_mean",
                 "trainer.train_workers > 1 with algo.entropy_coef > 0 needs algo.loss_agg=token_mean",
             ),
+            *self._strategy_checks(),
         ]
         from mmrl.algos.advantages import ADVANTAGE_ESTIMATORS
 
@@ -801,6 +817,68 @@ class Config:
                 f"reward.remote_url: every entry must be a URL, got {urls}",
             ),
             (len(set(urls)) == len(urls), f"reward.remote_url lists a server twice: {urls}"),
+        ]
+
+    def _strategy_checks(self) -> list[tuple[bool, str]]:
+        """Checks of `trainer.strategy` and the DeepSpeed ZeRO options."""
+        t, m = self.trainer, self.model
+        ds = t.strategy == "deepspeed"
+        return [
+            (
+                t.strategy in ("fsdp2", "deepspeed"),
+                f"trainer.strategy must be fsdp2 or deepspeed, got {t.strategy!r}",
+            ),
+            (t.zero_stage in (2, 3), f"trainer.zero_stage must be 2 or 3, got {t.zero_stage}"),
+            (
+                ds or (t.zero_stage == 2 and not t.zero_offload_optimizer and not t.zero_offload_params),
+                "trainer.zero_stage / zero_offload_optimizer / zero_offload_params configure DeepSpeed: "
+                "set trainer.strategy=deepspeed",
+            ),
+            (
+                not t.zero_offload_params or t.zero_stage == 3,
+                "trainer.zero_offload_params needs trainer.zero_stage=3 (ZeRO-2 keeps whole parameters on "
+                "every process; use trainer.zero_offload_optimizer there)",
+            ),
+            (
+                not ds or t.backend == "ray" or t.zero_stage == 2,
+                "trainer.zero_stage=3 needs trainer.backend=ray (in one process there is nothing to partition "
+                "across, and the local loop's rollout engine and checkpoints read whole parameters); use "
+                "zero_stage=2 with trainer.zero_offload_optimizer to fit a larger model on one GPU",
+            ),
+            (
+                not ds
+                or t.zero_stage == 2
+                or t.train_workers == 1
+                or t.prompts_per_step % (t.mini_batches * t.train_workers) == 0,
+                "trainer.zero_stage=3 with trainer.train_workers > 1 needs trainer.mini_batches * "
+                "trainer.train_workers to divide trainer.prompts_per_step (each process's share of a "
+                "mini-batch whole prompt groups: ZeRO-3 needs every process to run the model's modules "
+                "in the same order, and the prompt-sharing forward follows the prompts)",
+            ),
+            (
+                not ds or t.backend == "ray" or self.rollout.engine == "hf",
+                "trainer.strategy=deepspeed on the local backend generates with the HF engine: "
+                "rollout.engine=vllm beside a DeepSpeed engine is not wired (use trainer.backend=ray)",
+            ),
+            (
+                not ds or t.mode == "sync",
+                "trainer.strategy=deepspeed runs with trainer.mode=sync (the asynchronous mode's generator "
+                "keeps a plain copy of the weights)",
+            ),
+            (
+                not ds or m.lora_rank == 0,
+                "trainer.strategy=deepspeed trains full weights; model.lora_rank > 0 needs trainer.strategy=fsdp2",
+            ),
+            (
+                not ds or m.master_dtype in ("auto", "float32"),
+                "trainer.strategy=deepspeed keeps float32 master weights in its optimizer: model.master_dtype "
+                "must be auto or float32 (bfloat16 compute is model.dtype=bfloat16)",
+            ),
+            (
+                not ds or m.dtype in ("auto", "float32", "bfloat16"),
+                "trainer.strategy=deepspeed computes in float32 or bfloat16 (model.dtype auto, float32 or "
+                "bfloat16; float16 would need its loss scaling, not wired here)",
+            ),
         ]
 
     def _stability_checks(self) -> list[tuple[bool, str]]:

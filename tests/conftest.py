@@ -7,6 +7,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DeepSpeed builds its C++ ops on first use (a communication op at its first `initialize`, ~50 s
+# on the CPU): one fixed folder, so every later test run, and every process of one, reuses them.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/mmrl/torch_extensions"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -9,7 +9,8 @@ batch (and is how the test does it):
 `step.pt` holds `{"batch": RolloutBatch, "advantages": [N], "weights": [N, R] or None}`. Every
 process computes the old (and reference) log-probs of its rows, the group exchanges them, then
 runs `GroupLearner.update`; rank 0 writes `{"state_dict", "metrics", "old_logprobs",
-"ref_logprobs"}` to `--out`.
+"ref_logprobs"}` to `--out`. Several `--config` / `--out` pairs run one after the other in the
+same processes (the DeepSpeed test's ZeRO-2 and ZeRO-3 updates share one launch).
 """
 
 from __future__ import annotations
@@ -20,22 +21,36 @@ import torch
 import torch.distributed as dist
 
 from mmrl.config import load_config
-from mmrl.distributed.training_group import GroupLearner, merge_metrics
+from mmrl.distributed.training_group import learner_class, merge_metrics
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="the run's config (YAML, as in a run directory)")
+    parser.add_argument("--config", required=True, action="append",
+                        help="the run's config (YAML, as in a run directory); repeat it (one --out each) to "
+                        "run several updates in the same processes")  # fmt: skip
     parser.add_argument("--model", required=True, help="the policy's Hugging Face folder")
     parser.add_argument("--step", required=True, help="torch file: batch, advantages, TIS weights")
-    parser.add_argument("--out", required=True, help="where rank 0 writes the result")
+    parser.add_argument("--out", required=True, action="append", help="where rank 0 writes the result")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     args = parser.parse_args(argv)
+    if len(args.config) != len(args.out):
+        parser.error(f"{len(args.config)} --config but {len(args.out)} --out: give one --out per --config")
 
-    cfg = load_config(config_file=args.config)
-    learner = GroupLearner.from_env(cfg, args.model, threads=args.threads, dtype=getattr(torch, args.dtype))
     step = torch.load(args.step, weights_only=False)
+    for i, (config, out) in enumerate(zip(args.config, args.out)):  # one process group for all
+        cfg = load_config(config_file=config)
+        learner = learner_class(cfg).from_env(
+            cfg, args.model, threads=args.threads, dtype=getattr(torch, args.dtype)
+        )
+        one_update(learner, step, out)
+        learner.close(end_group=i == len(args.config) - 1)
+
+
+def one_update(learner, step: dict, out: str) -> None:
+    """Old / reference log-probs of each process's rows, gathered; the group's update; rank 0
+    writes the result to `out`."""
     batch = step["batch"]
     rows, old, ref = learner.old_and_ref_logprobs(batch)
     parts: list = [None] * learner.world_size
@@ -54,8 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     if learner.rank == 0:
         result = {"state_dict": state, "metrics": merge_metrics(all_metrics), "old_logprobs": old_all,
                   "ref_logprobs": ref_all}  # fmt: skip
-        torch.save(result, args.out)
-    learner.close()
+        torch.save(result, out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
                             with the fewest responses waiting, as each rollout worker's share
                             arrives
     training group          `trainer.train_workers` actors, one `GroupLearner` each (FSDP2,
-                            data parallel, `mmrl.distributed.training_group`)
+                            data parallel, `mmrl.distributed.training_group`; DeepSpeed ZeRO
+                            with `trainer.strategy=deepspeed`, `mmrl.distributed.deepspeed_group`)
 
 The rollout workers and the training group live in one placement group, the reward workers in a
 second one spread over the nodes (`trainer.ray_cpus_per_actor`, `trainer.ray_gpus_per_actor`
@@ -177,9 +178,9 @@ class TrainWorker:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def setup(self, cfg: Config, model_path: str, rank: int, world_size: int, init_method: str) -> None:
-        from mmrl.distributed.training_group import GroupLearner
+        from mmrl.distributed.training_group import learner_class
 
-        self.learner = GroupLearner(cfg, model_path, rank, world_size, init_method)
+        self.learner = learner_class(cfg)(cfg, model_path, rank, world_size, init_method)
 
     def call(self, method: str, *args):
         return getattr(self.learner, method)(*args)
@@ -540,8 +541,9 @@ class RayCluster:
         self.actors: list = []
         self.env = {"PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(self.threads)}  # fmt: skip
-        if os.environ.get("MMRL_CACHE"):
-            self.env["MMRL_CACHE"] = os.environ["MMRL_CACHE"]
+        for name in ("MMRL_CACHE", "TORCH_EXTENSIONS_DIR"):  # built-in bases; DeepSpeed's compiled ops
+            if os.environ.get(name):
+                self.env[name] = os.environ[name]
 
     def start(self, cls, bundle: int, gpu: bool, *args, pg=None):
         """Start an actor of `cls` in bundle `bundle` of the placement group (`pg`: another one,

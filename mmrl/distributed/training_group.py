@@ -22,6 +22,10 @@ a process), an entropy bonus only with `loss_agg=token_mean` (its normaliser is 
 no DAPO dynamic sampling (rows must split evenly), no LoRA yet. A non-finite loss in one
 process skips its micro-batches but not the others': the group would stop in a collective.
 
+`trainer.strategy=deepspeed` swaps FSDP2 for DeepSpeed ZeRO in the same class's place
+(`learner_class`; `mmrl.distributed.deepspeed_group.DeepSpeedLearner`): the same rows, shares and
+update, DeepSpeed's engine, optimizer and clipping.
+
 Launch: one `GroupLearner` per process, each told its rank, the world size and a rendezvous
 (`init_method`): Ray actors (`mmrl.distributed.ray_backend`), or any launcher such as
 `torchrun` (`GroupLearner.from_env` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT).
@@ -162,10 +166,7 @@ class GroupLearner:
         threads: int = 0,
         dtype: torch.dtype = torch.float32,
     ):
-        from torch.distributed import fsdp
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from mmrl.train.grpo import lr_lambda, seed_everything
+        from mmrl.train.grpo import seed_everything
 
         if cfg.model.lora_rank > 0:
             raise ValueError("model.lora_rank > 0: the training group does not shard LoRA adapters yet")
@@ -181,10 +182,26 @@ class GroupLearner:
                 rank=rank,
                 world_size=world_size,
             )
-        mesh = init_device_mesh(self.device.type, (world_size,))
         seed_everything(cfg.trainer.seed)
         policy = load_policy(model_path, dtype=dtype, revision=cfg.model.revision)
         freeze_parts(policy.model, cfg)
+        self._shard(policy, dtype)
+        self._wrapped = ShareOfGlobalLoss(self.model)
+
+    averages_gradients = False
+    """Whether the strategy averages the processes' gradients (then each loss share is scaled by
+    the world size); FSDP2 here sums them."""
+
+    def _shard(self, policy: Policy, dtype: torch.dtype) -> None:
+        """Shard the policy (and reference) and build the optimizer and schedule: sets `model`,
+        `reference`, `precision`, `policy`, `optimizer`, `scheduler`."""
+        from torch.distributed import fsdp
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from mmrl.train.grpo import lr_lambda
+
+        cfg = self.cfg
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
         model = policy.model.to(self.device).train()
         # Mixed precision the FSDP2 way: sharded master weights in `dtype` (float32), gathered in
         # the compute dtype for the forward and backward, gradients reduced in float32. An explicit
@@ -209,7 +226,6 @@ class GroupLearner:
             param_groups(self.model, cfg), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self._wrapped = ShareOfGlobalLoss(self.model)
 
     @classmethod
     def from_env(cls, cfg: Config, model_path: str | Path, **kw) -> GroupLearner:
@@ -249,7 +265,8 @@ class GroupLearner:
             return None if x is None else x[rows].to(dev)
 
         shares = loss_shares(self.cfg, batch.response_mask, rows)
-        self._wrapped.shares = deque(shares)
+        scale = self.world_size if self.averages_gradients else 1
+        self._wrapped.shares = deque(share * scale for share in shares)
         local = select_rows(batch, rows).to(dev)
         policy = Policy(self._wrapped, self.policy.processor, self.policy.blocked,
                         self.policy.stop_token_ids, self.policy.pad_token_id, self.precision)  # fmt: skip
@@ -284,8 +301,10 @@ class GroupLearner:
     def last_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def close(self) -> None:
-        if dist.is_initialized():
+    def close(self, end_group: bool = True) -> None:
+        """Release the process's part of the group (and leave the process group, unless
+        `end_group` is False: another learner of this process goes on using it)."""
+        if end_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -313,3 +332,13 @@ def merge_metrics(parts: list[tuple[dict[str, float], float, float]]) -> dict[st
         else:
             out[key] = sum(v * tokens for v, (_, tokens, _) in zip(values, parts)) / total
     return out
+
+
+def learner_class(cfg: Config) -> type[GroupLearner]:
+    """The class of one training-group process for `trainer.strategy`: `GroupLearner` (FSDP2)
+    or `mmrl.distributed.deepspeed_group.DeepSpeedLearner` (DeepSpeed ZeRO)."""
+    if cfg.trainer.strategy == "deepspeed":
+        from mmrl.distributed.deepspeed_group import DeepSpeedLearner
+
+        return DeepSpeedLearner
+    return GroupLearner

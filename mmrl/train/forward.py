@@ -251,8 +251,13 @@ def output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, float | None]:
 
 def plain_linear(head: torch.nn.Module) -> bool:
     """Whether the head is exactly `nn.Linear` with no hooks: the fused chunked path may then
-    use its weight directly (LoRA on the head, or a hook, must run as a module)."""
-    return type(head) is torch.nn.Linear and not (head._forward_hooks or head._forward_pre_hooks)
+    use its weight directly (LoRA on the head, or a hook, must run as a module). A sharding
+    wrapper's hooks do not count when it gathers the head's weight for the model's whole forward
+    and backward and says so (`head.gathered_by_model`: DeepSpeed ZeRO-3,
+    `mmrl.distributed.deepspeed_group.register_head`)."""
+    if type(head) is not torch.nn.Linear:
+        return False
+    return getattr(head, "gathered_by_model", False) or not (head._forward_hooks or head._forward_pre_hooks)
 
 
 def gradient_checkpointing(model: torch.nn.Module) -> bool:

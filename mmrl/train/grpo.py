@@ -155,7 +155,8 @@ class Composition:
     """How a run is put together from the same pieces: what builds the trainee and what one step
     is. The default is the single-process, on-policy loop; `trainer.backend=ray`
     (`mmrl.distributed.ray_backend`), `trainer.mode=async` (`mmrl.train.async_grpo`) and
-    `rollout.engine=vllm` in the on-policy loop (`mmrl.train.colocated`) swap them."""
+    `rollout.engine=vllm` in the on-policy loop (`mmrl.train.colocated`) and
+    `trainer.strategy=deepspeed` (`mmrl.distributed.deepspeed_group`) swap them."""
 
     make_trainee: Callable[[Config, Policy, Path | None], Trainee]
     step: Callable[..., dict[str, float]]
@@ -171,6 +172,10 @@ def composition(cfg: Config) -> Composition:
         from mmrl.train.async_grpo import async_composition
 
         return async_composition(cfg)
+    if cfg.trainer.strategy == "deepspeed":
+        from mmrl.distributed.deepspeed_group import deepspeed_composition
+
+        return deepspeed_composition(cfg)
     if cfg.rollout.engine == "vllm":
         from mmrl.train.colocated import colocated_composition
 

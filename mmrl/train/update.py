@@ -99,10 +99,63 @@ def on_device(module: torch.nn.Module, device: torch.device):
         module.to(home)
 
 
+class OptimizerSteps:
+    """How `update_policy` takes a mini-batch's optimizer step: the backward of each micro-batch's
+    loss, then one step (clipped to `optim.grad_clip`) unless the gradient is non-finite. The
+    default drives a torch optimizer (`TorchSteps`); a DeepSpeed engine, which owns its
+    optimizer, gradient partitions and clipping, has its own
+    (`mmrl.distributed.deepspeed_group.DeepSpeedSteps`)."""
+
+    def zero_grad(self) -> None:
+        """Before a mini-batch's first backward."""
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate a micro-batch's gradient."""
+        raise NotImplementedError
+
+    def step(self) -> float:
+        """Clip and step; returns the gradient norm before clipping. A non-finite norm means the
+        step was not taken (and the gradients were dropped)."""
+        raise NotImplementedError
+
+    def discard(self, loss: torch.Tensor) -> None:
+        """Drop the mini-batch's gradients without a step (its loss, `loss`, is non-finite)."""
+        raise NotImplementedError
+
+
+class TorchSteps(OptimizerSteps):
+    """`OptimizerSteps` of a torch optimizer: `loss.backward()`, global-norm clipping over its
+    parameters, `optimizer.step()`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, grad_clip: float):
+        self.optimizer, self.grad_clip = optimizer, grad_clip
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else math.inf)
+        )
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def discard(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 def update_policy(
     cfg: Config,
     policy: Policy,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | OptimizerSteps,
     batch: RolloutBatch,
     advantages: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -119,7 +172,8 @@ def update_policy(
     `before_minibatch(rows)`, if given, is called before each mini-batch of the first epoch
     reads its rows of the batch's mask, the advantages, log-probs and weights: it may fill
     those rows in place (the trainer does, as their rewards arrive). The mini-batch's first
-    forward runs before the call, so it overlaps the wait.
+    forward runs before the call, so it overlaps the wait. `optimizer`: a torch optimizer, or the
+    `OptimizerSteps` of one that runs its own backward and step (DeepSpeed).
     """
     model, a = policy.model, cfg.algo
     policy_loss = get_policy_loss(a.policy_loss)
@@ -132,7 +186,7 @@ def update_policy(
     extremes: dict[str, float] = {}
     grad_norms: list[float] = []
     skipped = 0
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    steps = optimizer if isinstance(optimizer, OptimizerSteps) else TorchSteps(optimizer, cfg.optim.grad_clip)
 
     chunk = logits_chunk(cfg, policy)
     full_kl = ref_logprobs is not None and not a.kl_in_reward and a.kl_estimator == "full"
@@ -185,7 +239,7 @@ def update_policy(
                 )  # micro-batch losses sum to the mini-batch's
                 token_denom = float(mb_mask.sum().clamp(min=1))
                 demo_denom = demos.tokens_for(mb_rows) if demos is not None else 1.0
-                optimizer.zero_grad(set_to_none=True)
+                steps.zero_grad()
                 finite = True
                 for i in range(0, len(mb_rows), micro):
                     rows = mb_rows[i : i + micro]
@@ -252,7 +306,7 @@ def update_policy(
                             "non-finite loss in a mini-batch of rows %s: optimizer step skipped", rows[:8]
                         )
                         break
-                    loss.backward()
+                    steps.backward(loss)
                     tokens = float(mask.sum())
                     with torch.no_grad():
                         ppo_kl = aggregate(
@@ -270,21 +324,20 @@ def update_policy(
                     extremes["actor/ratio_max"] = max(
                         extremes.get("actor/ratio_max", -math.inf), pg_metrics["ratio_max"]
                     )
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-                )
-                if not finite or not torch.isfinite(grad_norm):
-                    optimizer.zero_grad(set_to_none=True)
+                if not finite:
+                    steps.discard(loss)
                     skipped += 1
-                    if finite:
-                        bad_ids = sorted({batch.samples[r].id for r in mb_rows})
-                        log.warning(
-                            "non-finite gradient in the mini-batch of samples %s: optimizer step skipped",
-                            bad_ids[:20],
-                        )
                     continue
-                optimizer.step()
-                grad_norms.append(float(grad_norm))
+                grad_norm = steps.step()
+                if not math.isfinite(grad_norm):
+                    skipped += 1
+                    bad_ids = sorted({batch.samples[r].id for r in mb_rows})
+                    log.warning(
+                        "non-finite gradient in the mini-batch of samples %s: optimizer step skipped",
+                        bad_ids[:20],
+                    )
+                    continue
+                grad_norms.append(grad_norm)
 
     # Losses: the mean mini-batch loss; the rest: token-weighted means over every mini-batch of
     # every epoch; the gradient norm: the mean over the optimizer steps taken.
