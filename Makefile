@@ -3,6 +3,8 @@
 VENV ?= .venv
 # Everything the test suite exercises; `make install EXTRAS=dev` for a lighter install.
 EXTRAS ?= dev,serve,rewards,diffusion,distributed,trackers,hub
+# Test processes (pytest-xdist): the CI machine has 2 cores; each worker runs torch on its share.
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 # Keep the checkout's folders (datasets/, verifiers/) off sys.path: only `mmrl.*` is importable.
 export PYTHONSAFEPATH := 1
@@ -33,7 +35,7 @@ run: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 ## Build the wheel, install it with its dependencies into a fresh venv outside the checkout, run the CLI.
 wheel-check:

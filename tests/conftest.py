@@ -20,8 +20,16 @@ from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm  # noq
 
 @pytest.fixture(scope="session")
 def mmrl_cache(tmp_path_factory) -> str:
-    """One cache folder for built-in bases per test session (also seen by subprocesses)."""
-    path = os.environ.get("MMRL_TEST_CACHE") or str(tmp_path_factory.mktemp("mmrl-cache"))
+    """One cache folder for built-in bases per test run (also seen by subprocesses). Under
+    pytest-xdist the workers share it: the first to need a base builds it, the others wait for
+    it (`mmrl.models.base.builtin_base` holds a file lock while it builds)."""
+    path = os.environ.get("MMRL_TEST_CACHE")
+    if not path:
+        root = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            root = root.parent  # the run's folder, above each worker's own
+        path = str(root / "mmrl-cache")
+        os.makedirs(path, exist_ok=True)
     os.environ["MMRL_CACHE"] = path
     return path
 
@@ -33,6 +41,50 @@ def tiny_policy() -> Policy:
     return make_policy(build_tiny_vlm(spec, seed=0), build_processor(spec))
 
 
+_THREADS = torch.get_num_threads()
+
+
 @pytest.fixture(autouse=True)
-def _seed() -> None:
+def _seed_and_threads():
+    """Every test starts from seed 0 and the process's thread count: a run with
+    `trainer.threads=N` sets torch's threads for the whole process, and a later learning test's
+    numbers would otherwise depend on which tests ran before it in the same worker."""
     torch.manual_seed(0)
+    yield
+    if torch.get_num_threads() != _THREADS:
+        torch.set_num_threads(_THREADS)
+
+
+# Under pytest-xdist (`make test` runs `pytest -n 2 --dist loadgroup`) tests are spread over the
+# workers one by one, except these modules: each builds something costly once for all of its
+# tests (a training run, a Ray cluster, a server process, DeepSpeed's saved steps), so all of a
+# module's tests go to one worker instead of each worker building it again.
+KEEP_TOGETHER = {
+    "test_training.py",
+    "test_trackers.py",
+    "test_distributed_ray.py",
+    "test_deepspeed.py",
+    "test_server.py",
+    "test_server_guard.py",
+    "test_flow_training.py",
+    "test_cli.py",
+    "test_eval_runner.py",
+    "test_rewards_vlm_judge.py",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        name = item.path.name
+        if name in KEEP_TOGETHER:
+            item.add_marker(pytest.mark.xdist_group(name.removesuffix(".py")))
+
+
+def pytest_configure(config) -> None:
+    # Each xdist worker takes its share of the cores for torch (two workers on two cores: one
+    # thread each), instead of every worker starting one thread per core.
+    global _THREADS
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    _THREADS = torch.get_num_threads()

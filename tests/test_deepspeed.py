@@ -58,6 +58,11 @@ from mmrl.train.preflight import plan_resume
             "model.master_dtype must be auto or float32",
         ),
         (["trainer.strategy=deepspeed", "model.dtype=float16"], "computes in float32 or bfloat16"),
+        # the local DeepSpeed engine's loop has no vLLM path: refused, never silently the HF engine
+        (
+            ["trainer.strategy=deepspeed", "rollout.engine=vllm"],
+            "rollout.engine=vllm beside a DeepSpeed engine",
+        ),
         (
             [
                 "trainer.strategy=deepspeed",

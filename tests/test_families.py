@@ -51,6 +51,18 @@ FAMILIES = {
     # two rewards from the math verifier, normalised in their groups separately: accuracy and
     # format (an answer could be extracted at all)
     "gdpo": ["algo.advantage=gdpo", "algo.gdpo_components=[accuracy,format]"],
+    # The stability options of mmrl.algos.stability and the demonstration term, each on top of
+    # GRPO. With the HF engine the rollout and the trainer run the same float32 weights, so the
+    # band and the rejection drop (almost) nothing here: these runs check that switching them on
+    # keeps the recipe learning (tests/test_stability.py shows them acting on a real mismatch).
+    # IcePop's token masking: IS weights outside [1/2, 2] weigh 0
+    "tis_band": ["algo.tis=token", "algo.tis_mode=band", "algo.tis_cap=2.0"],
+    # whole responses whose geometric-mean ratio leaves [1/2, 2] are dropped
+    "rejection": ["algo.rejection=geometric", "algo.rejection_high=2.0"],
+    # Clip-Cov (Cui et al. 2025) with veRL's defaults: the highest-covariance tokens get no gradient
+    "clip_cov": ["algo.policy_loss=clip_cov"],
+    # the supervised term on each prompt's demonstration (TRAPO's trust-region form)
+    "demo": ["algo.demo_loss=trust_region"],
 }
 # Margin. Held-out accuracy is greedy on 512 prompts: each evaluation's sampling noise is at most
 # sqrt(0.25 / 512) = 2.2 points, so the difference of two evaluations has a standard deviation of
@@ -61,7 +73,10 @@ FAMILIES = {
 #   REINFORCE++ +24.6 / +26.2, GDPO +24.4 / +22.7.
 # Each family's margin is below half its smallest measured gain and at least 3 standard
 # deviations (9.3 points) above the evaluation noise.
-MIN_GAIN = {"grpo": 0.15, "dr_grpo": 0.10, "gspo": 0.15, "cispo": 0.10, "reinforce_pp": 0.10, "gdpo": 0.10}
+MIN_GAIN = {
+    **{"grpo": 0.15, "dr_grpo": 0.10, "gspo": 0.15, "cispo": 0.10, "reinforce_pp": 0.10, "gdpo": 0.10},
+    **{"tis_band": 0.10, "rejection": 0.10, "clip_cov": 0.10, "demo": 0.10},
+}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -195,3 +195,22 @@ def test_a_local_easyr1_parquet_file_is_recognised_by_its_columns(local_datasets
     samples = read_source(str(tmp_path / "geo3k_train.parquet"))
     assert samples[0].data_source == "geo3k_train" and samples[0].id == "geo3k_train/0"
     assert Path(samples[0].extra_info["source_file"]).name == "geo3k_train.parquet"
+
+
+def test_a_hub_ids_split_config_revision_and_streaming_reach_load_dataset(local_datasets, monkeypatch):
+    # What `datasets.load_dataset` is called with for a hub id and its options (the hub itself is
+    # out of reach: the call returns the local EasyR1 rows, as a streamed split).
+    import datasets
+
+    calls = []
+
+    def load_dataset(path, **kwargs):
+        calls.append((path, kwargs))
+        return datasets.load_from_disk(str(local_datasets / "geo_disk")).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    samples = read_source("hiyouga/geometry3k@train?config=geo&revision=abc123&streaming=true&max_samples=3")
+    assert calls == [
+        ("hiyouga/geometry3k", {"streaming": True, "name": "geo", "revision": "abc123", "split": "train"})
+    ]
+    assert len(samples) == 3

@@ -25,7 +25,7 @@ from mmrl.train.metrics_log import check_trackers_installed, mlflow_key, read_me
 HAVE_MLFLOW = importlib.util.find_spec("mlflow") is not None
 NO_MLFLOW = (
     "mlflow is not installed: the `mlflow` extra (mlflow-skinny 3.17) needs importlib_metadata<10 and "
-    "constraints.txt pins 10.2.0"
+    "something else in this environment requires a newer one (constraints.txt pins 9.1.0 for it)"
 )
 TRACKERS = ["wandb", "mlflow"] if HAVE_MLFLOW else ["wandb"]
 

@@ -908,3 +908,15 @@ def test_the_synchronous_loop_generates_with_vllm_asleep_during_each_update(save
         *step, *step,
         wake, sleep,  # the final evaluation, with the weights of the last sync
     ], events  # fmt: skip
+
+
+def test_a_tensor_parallel_engine_needs_as_many_gpus_per_rollout_worker():
+    # On Ray each rollout worker holds one vLLM engine on its own GPUs: TP 2 on 1 GPU is refused
+    # before anything starts; TP 2 on 2 GPUs loads.
+    ray_vllm = ["trainer.backend=ray", "rollout.engine=vllm", "rollout.vllm_tensor_parallel_size=2"]
+    with pytest.raises(ValueError, match="ray_gpus_per_actor must be >= rollout.vllm_tensor_parallel_size"):
+        load_config(overrides=[*ray_vllm, "trainer.ray_gpus_per_actor=1"])
+    assert (
+        load_config(overrides=[*ray_vllm, "trainer.ray_gpus_per_actor=2"]).rollout.vllm_tensor_parallel_size
+        == 2
+    )

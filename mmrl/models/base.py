@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock
 
 from mmrl.config import Config
 from mmrl.datasets.procedural import make_samples, reference_response
@@ -69,6 +70,16 @@ def builtin_base(cfg: Config) -> Path:
     path = cache_root(cfg) / "bases" / f"{cfg.data.task}-{base_key(cfg)}"
     if (path / "warmup.json").exists():
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Processes started together (test workers, several runs on one node) build it once: the
+    # others wait here, then find it.
+    with FileLock(str(path) + ".lock"):
+        if (path / "warmup.json").exists():
+            return path
+        return _build_base(cfg, path)
+
+
+def _build_base(cfg: Config, path: Path) -> Path:
     log.info("building the built-in base model (one-time supervised warm-up) in %s", path)
     state = rng_state()
     try:
@@ -80,7 +91,6 @@ def builtin_base(cfg: Config) -> Path:
     policy.model.save_pretrained(tmp)
     policy.processor.save_pretrained(tmp)
     (tmp / "warmup.json").write_text(json.dumps(report, indent=2))
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp.rename(path)  # atomic: a half-written base is never picked up
     except OSError:  # another process finished first; theirs is identical
