@@ -135,3 +135,37 @@ def test_building_the_builtin_base_leaves_the_random_generators_as_they_were(
     after_cache = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(after_build[0], after_cache[0])
     assert np.array_equal(after_build[1], after_cache[1]) and after_build[2] == after_cache[2]
+
+
+def test_processes_that_need_the_same_base_at_once_build_it_once(tmp_path, monkeypatch, tiny_policy):
+    # Two callers (here threads; test workers or runs on one node in practice) ask for the same
+    # missing base together: the file lock lets one warm up while the other waits, then finds it.
+    import threading
+    import time
+
+    from mmrl.config import load_config
+    from mmrl.models import base
+
+    builds = []
+
+    def slow_warm_up(cfg):
+        builds.append(threading.get_ident())
+        time.sleep(1.0)  # the other caller arrives while this one is still building
+        return tiny_policy, {"validation_accuracy": 0.0}
+
+    monkeypatch.setattr(base, "warm_up", slow_warm_up)
+    cfg = load_config("vision_reasoning", overrides=[f"model.cache_dir={tmp_path}"])
+    start = threading.Barrier(2)
+    paths = []
+
+    def ask():
+        start.wait()
+        paths.append(base.builtin_base(cfg))
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert len(paths) == 2 and paths[0] == paths[1] and (paths[0] / "warmup.json").exists()
