@@ -243,3 +243,34 @@ def test_a_llava_base_learns_the_builtin_task(mmrl_cache, tmp_path):
     result = train(cfg)
     gain = result.final_accuracy - result.start_accuracy
     assert gain >= LLAVA_MIN_GAIN, f"{result.start_accuracy:.3f} -> {result.final_accuracy:.3f}"
+
+
+def test_an_unregistered_model_with_its_own_multimodal_positions_gets_the_plain_forward(
+    tiny_policy, monkeypatch, caplog
+):
+    # A Qwen2-VL seen as an unknown family (its adapter unregistered): the generic adapter sees
+    # that the model lays out its own multimodal positions (get_rope_index), so it passes no
+    # position ids and turns the shared-prompt forward off, saying why once per model class.
+    import logging
+
+    from mmrl.models import families
+
+    monkeypatch.setattr(
+        families, "_FAMILIES", [f for f in families._FAMILIES if f is not families.QwenVLFamily]
+    )
+    monkeypatch.setattr(families, "_said", set())
+    model = tiny_policy.model
+    assert type(families.family_of(model)) is families.VLMFamily
+    inputs = {
+        "input_ids": torch.ones(2, 3, dtype=torch.long),
+        "attention_mask": torch.ones(2, 3, dtype=torch.long),
+    }
+    assert families.family_of(model).position_ids(model, inputs) is None
+    with caplog.at_level(logging.INFO, logger=families.__name__):
+        assert families.shares_prompts(model) is False
+        assert families.shares_prompts(model) is False
+    said = [r.getMessage() for r in caplog.records if "shared-prompt forward off" in r.getMessage()]
+    assert len(said) == 1 and "lays out its own multimodal positions" in said[0]
+    # Registered again, Qwen2-VL's own adapter shares prompts.
+    monkeypatch.undo()
+    assert families.shares_prompts(model) is True
