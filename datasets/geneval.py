@@ -37,6 +37,11 @@ RELATIONS = ("left of", "right of", "above", "below")
 COUNT_WORDS = {1: "a", 2: "two", 3: "three"}
 WORDS = ("cat", "sun", "dog", "hat", "box", "cup", "red", "map")
 """Words of the `text` kind (short: a tiny model renders few pixels)."""
+VOCABULARY = tuple(dict.fromkeys((
+    *COUNT_WORDS.values(), *COLOURS,
+    *SHAPES, *(s + "s" for s in SHAPES), "left", "right", "of", "above", "below", "the", "text", '"', *WORDS,
+)))  # fmt: skip
+"""Every word of the prompt grammar (the built-in image base's word-level tokenizer)."""
 KINDS = ("single", "count", "position", "text")
 DEFAULT_KINDS = ("single", "count", "position")
 """The kinds of the built-in prompts (`text` needs a resolution OCR can read: not at 32 px)."""
@@ -211,12 +216,17 @@ def geneval_prompts(
     Per kind, a seeded shuffle of its prompts; the first `HELDOUT_FRACTION` of them are
     `heldout`, the rest `train` (`single`: all of them in both). `validation` is a seeded sample
     of the training prompts. `heldout` and `validation` interleave the kinds (so a prefix of
-    them covers every kind); `n` keeps the first n (default: all)."""
+    them covers every kind, each equally often: a kind with fewer prompts repeats them); `n`
+    keeps the first n (default: as many as the split has prompts)."""
     if split not in ("train", "validation", "heldout"):
         raise ValueError(f"unknown GenEval split {split!r}: choose train, validation or heldout")
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown GenEval kind(s) {unknown}: choose from {list(KINDS)}")
     per_kind = []
-    for k, kind in enumerate(kinds):
+    for kind in kinds:
         prompts = [prompt_text(s) for s in all_specs((kind,))]
+        k = KINDS.index(kind)  # a kind's split does not depend on which other kinds are asked for
         rng = np.random.default_rng([seed, k, 7])
         prompts = [prompts[i] for i in rng.permutation(len(prompts))]
         cut = int(round(HELDOUT_FRACTION[kind] * len(prompts)))
@@ -229,9 +239,12 @@ def geneval_prompts(
             per_kind.append(train)
     if split == "train":
         out = [p for group in per_kind for p in group]
-    else:
-        out = [g[i] for i in range(max(map(len, per_kind))) for g in per_kind if i < len(g)]
-    return out[:n] if n is not None else out
+        return out[:n] if n is not None else out
+    # interleaved, a kind that runs out starting over (a prompt then recurs: sampled with other
+    # noise, it is another image), so any n keeps the kinds balanced
+    k = len(per_kind)
+    n = sum(map(len, per_kind)) if n is None else n
+    return [per_kind[i % k][(i // k) % len(per_kind[i % k])] for i in range(n)]
 
 
 # --- drawing --------------------------------------------------------------------------------

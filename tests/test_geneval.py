@@ -84,6 +84,10 @@ def test_splits_are_deterministic_and_held_out_prompts_are_not_trained_on():
     assert not {p for p in heldout if kinds[p] != "single"} & set(train)
     assert {parse_prompt(p).kind for p in heldout[:3]} == {"single", "count", "position"}
     assert set(geneval_prompts("validation")) <= set(train)
+    for kind in ("count", "position"):  # a kind's split is the same asked alone or with others
+        assert geneval_prompts("train", (kind,)) == [
+            p for p in train if kinds.get(p, parse_prompt(p).kind) == kind
+        ]
     assert geneval_prompts("heldout", seed=1) != heldout
 
 

@@ -37,6 +37,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from PIL import Image
 
 from mmrl.datasets.geneval import COLOURS, ImageSpec, spec_from_dict
@@ -267,3 +268,34 @@ class GenEvalVerifier(Verifier):
             components=parts,
             extracted=f"{int(parts['objects'])} objects",
         )
+
+
+def prompt_following(images, prompts: list[str]) -> dict[str, float]:
+    """GenEval-style scores of generated images for their prompts: `accuracy` (the share that
+    is `correct`, GenEval's number), `score` (the mean partial-credit accuracy), and
+    `accuracy/<kind>` per prompt kind. `images`: [N, 3, H, W] floats in [0, 1] (a pipeline's
+    output), or a list of PIL images / [H, W, 3] uint8 arrays. Text prompts are skipped (OCR
+    scores them)."""
+    from mmrl.datasets.geneval import parse_prompt
+
+    if isinstance(images, torch.Tensor):
+        images = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+        images = list(images.cpu().numpy())
+    if len(images) != len(prompts):
+        raise ValueError(f"prompt_following: {len(images)} images for {len(prompts)} prompts")
+    correct: dict[str, list[float]] = {}
+    scores = []
+    for image, prompt in zip(images, prompts):
+        spec = parse_prompt(prompt)
+        if spec.text is not None:
+            continue
+        parts = check_spec(spec, analyse(image))
+        correct.setdefault(spec.kind, []).append(parts["correct"])
+        scores.append(parts["accuracy"])
+    everything = [c for group in correct.values() for c in group]
+    out = {
+        "accuracy": float(np.mean(everything)) if everything else float("nan"),
+        "score": float(np.mean(scores)) if scores else float("nan"),
+    }
+    out.update({f"accuracy/{kind}": float(np.mean(v)) for kind, v in sorted(correct.items())})
+    return out

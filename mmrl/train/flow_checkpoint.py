@@ -72,6 +72,8 @@ class FlowProgress:
     start_reward: float = float("nan")
     best_reward: float = float("nan")
     final_reward: float = float("nan")
+    start_accuracy: float = float("nan")
+    final_accuracy: float = float("nan")
 
 
 class _Weights:
