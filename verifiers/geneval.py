@@ -117,11 +117,13 @@ def analyse(image: Image.Image | np.ndarray) -> Analysis:
     objects = []
     min_area = max(4, MIN_AREA * h * w)
     for region, colour in _regions(labels):
-        ys, xs = region[:, 0], region[:, 1]
         area = len(region)
+        if area < min_area:  # most regions of a noisy image: skip them before measuring
+            continue
+        ys, xs = region[:, 0], region[:, 1]
         x0, x1, y0, y1 = int(xs.min()), int(xs.max()), int(ys.min()), int(ys.max())
         bw, bh = x1 - x0 + 1, y1 - y0 + 1
-        if area < min_area or bw > MAX_SPAN * w or bh > MAX_SPAN * h:
+        if bw > MAX_SPAN * w or bh > MAX_SPAN * h:
             continue
         if max(bw / bh, bh / bw) > MAX_ASPECT:
             continue
