@@ -75,9 +75,9 @@ class FlowTrainResult:
     seconds: float
     interrupted: bool = False
     """Stopped early by SIGINT / SIGTERM (a checkpoint was written)."""
-    start_accuracy: float = float("nan")
-    """Held-out GenEval-style accuracy of the starting pipeline (NaN: not GenEval-style prompts)."""
-    final_accuracy: float = float("nan")
+    start_accuracy: float | None = None
+    """Held-out GenEval-style accuracy of the starting pipeline (None: not GenEval-style prompts)."""
+    final_accuracy: float | None = None
     """Held-out GenEval-style accuracy of the final weights."""
 
     def summary_line(self, task: str = "text_to_image") -> str:
@@ -88,7 +88,7 @@ class FlowTrainResult:
                 f"{task} trainer.run_dir={self.run_dir} --resume auto ..."
             )
         accuracy = ""
-        if self.start_accuracy == self.start_accuracy:  # not NaN
+        if self.start_accuracy is not None and self.final_accuracy is not None:
             accuracy = (
                 f"held-out GenEval accuracy {self.start_accuracy:.1%} -> {self.final_accuracy:.1%} "
                 f"({100 * (self.final_accuracy - self.start_accuracy):+.1f} points); "
@@ -231,10 +231,11 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
         metrics_log.log(step, metrics)
         grid = save_grid(images, run_dir / "images" / f"eval_step_{step:05d}.png")
         metrics_log.log_image("eval/images", grid, step)
-        accuracy = metrics.get("eval/geneval/accuracy", float("nan"))
+        accuracy = metrics.get("eval/geneval/accuracy")
         log.info(
-            "step %d: eval reward %.4f, GenEval accuracy %.3f", step, metrics["eval/reward/mean"], accuracy
-        )
+            "step %d: eval reward %.4f%s", step, metrics["eval/reward/mean"],
+            "" if accuracy is None else f", GenEval accuracy {accuracy:.3f}",
+        )  # fmt: skip
         if step == 0:
             progress.start_accuracy = accuracy
         progress.final_accuracy = accuracy
