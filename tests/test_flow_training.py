@@ -37,7 +37,7 @@ def cache(tmp_path_factory) -> str:
 
 
 def _cfg(cache: str, *overrides: str) -> FlowConfig:
-    return load_flow_config("text_to_image_jpeg", overrides=[*FAST, f"model.cache_dir={cache}", *overrides])
+    return load_flow_config("text_to_image", overrides=[*FAST, f"model.cache_dir={cache}", *overrides])
 
 
 def _trainee(cfg: FlowConfig):
@@ -48,24 +48,24 @@ def _trainee(cfg: FlowConfig):
 
 # --- configuration -------------------------------------------------------------------------
 def test_recipe_loads_and_overrides_apply_on_top(tmp_path):
-    cfg = load_flow_config("text_to_image_jpeg")
+    cfg = load_flow_config("text_to_image")
     assert isinstance(cfg, FlowConfig) and cfg.kind == "diffusion"
     assert cfg.reward.names == ["jpeg_compressibility"] and cfg.sample.resolution == 64
     extra = tmp_path / "extra.yaml"
     extra.write_text("sample:\n  group_size: 4\noptim:\n  lr: 1.0e-4\n")
     cfg = load_flow_config(
-        "text_to_image_jpeg", extra, ["optim.lr=5e-5", "reward.names=[a,b]", "reward.weights=[1,2]"]
+        "text_to_image", extra, ["optim.lr=5e-5", "reward.names=[a,b]", "reward.weights=[1,2]"]
     )
     assert cfg.sample.group_size == 4 and cfg.optim.lr == 5e-5 and cfg.reward.weights == [1.0, 2.0]
-    assert is_diffusion_task("text_to_image_jpeg") and not is_diffusion_task("vision_reasoning")
+    assert is_diffusion_task("text_to_image") and not is_diffusion_task("vision_reasoning")
     assert not is_diffusion_task("no_such_task")
 
 
 def test_unknown_keys_wrong_types_and_bad_combinations_are_named():
     with pytest.raises(ConfigKeyError, match="totl_steps"):
-        load_flow_config("text_to_image_jpeg", overrides=["trainer.totl_steps=3"])
+        load_flow_config("text_to_image", overrides=["trainer.totl_steps=3"])
     with pytest.raises(ValidationError, match="group_size"):
-        load_flow_config("text_to_image_jpeg", overrides=["sample.group_size=many"])
+        load_flow_config("text_to_image", overrides=["sample.group_size=many"])
     for override, message in [
         ("trainer.mini_batches=3", "mini_batches must divide"),
         ("sample.sde_type=ode", "sde_type"),
@@ -76,9 +76,9 @@ def test_unknown_keys_wrong_types_and_bad_combinations_are_named():
         ("sample.guidance_scale=3 algo.train_cfg=false", "needs algo.old_logprobs=recompute"),
     ]:
         with pytest.raises(ValueError, match=message):
-            load_flow_config("text_to_image_jpeg", overrides=override.split())
+            load_flow_config("text_to_image", overrides=override.split())
     with pytest.raises(ValueError, match="key=value"):
-        load_flow_config("text_to_image_jpeg", overrides=["lonely"])
+        load_flow_config("text_to_image", overrides=["lonely"])
 
 
 # --- one step ------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_jpeg_compressibility_rises_while_kl_stays_finite(cache, tmp_path):
     +0.15; train reward (first vs last 5 steps) +0.14 / +0.11 / +0.13. The bar is half of that."""
     run = tmp_path / "learn"
     cfg = load_flow_config(
-        "text_to_image_jpeg",
+        "text_to_image",
         overrides=[
             f"model.cache_dir={cache}",
             "trainer.total_steps=40",
