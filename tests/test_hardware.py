@@ -495,9 +495,7 @@ def _flow_trainee(cache: str, *overrides: str):
     from mmrl.train.flow_config import load_flow_config
     from mmrl.train.flow_grpo import flow_precision, make_flow_trainee
 
-    cfg = load_flow_config(
-        "text_to_image", overrides=[*FLOW_FAST, f"model.cache_dir={cache}", *overrides]
-    )
+    cfg = load_flow_config("text_to_image", overrides=[*FLOW_FAST, f"model.cache_dir={cache}", *overrides])
     path = builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
     pipe = load_flow_pipeline(path, flow_precision(cfg).compute)
     return cfg, make_flow_trainee(cfg, pipe)
