@@ -1,6 +1,10 @@
-"""Flow-GRPO costs on the default text_to_image recipe (built-in tiny SD3), side by side.
+"""Flow-GRPO costs on a text-to-image recipe (built-in tiny SD3), side by side.
 
-    python benchmarks/flow_grpo.py [--repeats 20] [--train-steps 10] [key=value ...]
+    python benchmarks/flow_grpo.py [--task text_to_image] [--repeats 20] [--train-steps 10] [key=value ...]
+
+`--task text_to_image` (the default here): the random 64 x 64 tiny SD3 with a 16-channel
+latent VAE; `--task text_to_image_geneval`: the built-in image base (32 x 32, pixel space; warmed up first
+if it is not in the cache yet).
 
 1. Sampling: the SDE sampler with log-probs at every step (`FlowSampler.sample`) against the
    diffusers pipeline's own `pipe(...)`, same components, prompts, steps, batch, resolution,
@@ -24,11 +28,12 @@ import time
 import torch
 
 from mmrl.algos.sde import clipped_step_loss, mean_kl
-from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
+from mmrl.models.tiny_diffusion import load_flow_pipeline
 from mmrl.train.flow_config import load_flow_config
 from mmrl.train.flow_grpo import (
     PromptOrder,
     flow_grpo_step,
+    flow_model_path,
     load_prompts,
     make_flow_trainee,
     rollout,
@@ -53,15 +58,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per measurement")
     parser.add_argument("--train-steps", type=int, default=10, help="flow-GRPO steps timed for throughput")
     parser.add_argument("--model", help="local diffusers pipeline folder (default: the built-in tiny SD3)")
+    parser.add_argument("--task", default="text_to_image", help="the diffusion recipe")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     overrides = list(args.overrides) + (["model.path=" + args.model] if args.model else [])
-    cfg = load_flow_config("text_to_image", overrides=overrides + ["trainer.progress=false"])
+    cfg = load_flow_config(args.task, overrides=overrides + ["trainer.progress=false"])
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
     s = cfg.sample
-    path = cfg.model.path or builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
+    path = flow_model_path(cfg)
     t = make_flow_trainee(cfg, load_flow_pipeline(path))
     pipe, sampler = t.pipe, t.sampler
     train_prompts, _ = load_prompts(cfg)

@@ -9,6 +9,7 @@ imported only when a model that needs them is built.
 # Importing the modules registers their reward models (heavy imports happen in constructors).
 from mmrl.rewards import aesthetic as _aesthetic  # noqa: F401
 from mmrl.rewards import clip_score as _clip_score  # noqa: F401
+from mmrl.rewards import geneval as _geneval  # noqa: F401
 from mmrl.rewards import jpeg as _jpeg  # noqa: F401
 from mmrl.rewards import ocr as _ocr  # noqa: F401
 from mmrl.rewards import vlm_judge as _vlm_judge  # noqa: F401

@@ -68,3 +68,19 @@ def test_ocr_reports_its_models_and_stays_on_the_host(ocr):
 def test_a_missing_model_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"Rec.model_path .*rec\.onnx.*does not exist"):
         get_reward_model("ocr", rec_model_path=str(tmp_path / "rec.onnx"))
+
+
+def test_geneval_reward_scores_text_prompts_with_ocr(ocr):
+    """The `geneval` reward routes `the text "..."` prompts to this OCR reward (its own engine
+    is replaced by the module's, already loaded)."""
+    import numpy as np
+
+    from mmrl.datasets.geneval import draw, parse_prompt
+    from mmrl.rewards import get_reward_model
+
+    reward = get_reward_model("geneval")
+    reward._ocr = ocr
+    rng = np.random.default_rng(0)
+    images = [draw(parse_prompt(f'the text "{w}"'), rng, 128) for w in ("cat", "map")]
+    out = reward.score_with_components(images=images, prompts=['the text "cat"', 'the text "sun"'])
+    assert out.scores == [1.0, 0.0] and out.components["correct"] == [1.0, 0.0]

@@ -7,6 +7,7 @@ Verifiers are registered by name; a sample names its own verifier in
 
 # Importing the modules registers their verifiers.
 from mmrl.verifiers import detection as _detection  # noqa: F401
+from mmrl.verifiers import geneval as _geneval  # noqa: F401
 from mmrl.verifiers import math as _math  # noqa: F401
 from mmrl.verifiers import text as _text  # noqa: F401
 from mmrl.verifiers.registry import Verifier, get_verifier, register_verifier, verifier_names

@@ -5,9 +5,12 @@
     pipe = StableDiffusion3Pipeline.from_pretrained(path)         # or load_flow_pipeline(path)
 
 SD3: `SD3Transformer2DModel` (patch 2), `AutoencoderKL` with 16 latent channels, two small
-`CLIPTextModelWithProjection` encoders over the byte tokenizer, no T5 (`text_encoder_3=None`: the
+`CLIPTextModelWithProjection` encoders over the byte tokenizer (or a word-level one over the
+GenEval prompt vocabulary, `tokenizer="words"`), no T5 (`text_encoder_3=None`: the
 pipeline then appends `max_sequence_length` zero tokens), `FlowMatchEulerDiscreteScheduler`
-with shift 3. FLUX: `FluxTransformer2DModel` over 2x2-packed latents, a `CLIPTextModel` (pooled)
+with shift 3. `vae="pixel"` makes the latent space the image itself: an `AutoencoderTiny`
+with one block whose weights are set by hand to an exact pixel <-> latent map (3 channels, no
+compression; the built-in image base, `mmrl.models.image_base`, uses it at 32 x 32). FLUX: `FluxTransformer2DModel` over 2x2-packed latents, a `CLIPTextModel` (pooled)
 and a small `T5EncoderModel`, the dynamically shifted scheduler FLUX uses.
 
 Rules the shapes must follow (diffusers checks some, others fail deep inside): SD3's
@@ -29,7 +32,9 @@ import torch
 from mmrl.models.tokenizer import build_byte_tokenizer
 
 FAMILIES = ("sd3", "flux")
-BUILDER_VERSION = 2
+VAES = ("tiny", "kl", "pixel")
+TOKENIZERS = ("bytes", "words")
+BUILDER_VERSION = 3
 """Part of the built-in pipeline's cache key: bump it when `build_tiny_pipeline` changes."""
 
 
@@ -40,7 +45,8 @@ class TinyDiffusionSpec:
     family: str = "sd3"
     """`sd3` (StableDiffusion3Pipeline) or `flux` (FluxPipeline)."""
     resolution: int = 64
-    """Default image side in pixels (the transformer's sample size is resolution / 8)."""
+    """Default image side in pixels (the transformer's sample size is resolution / the VAE's factor:
+8 with four VAE blocks, 1 with `vae=pixel`)."""
     num_layers: int = 2
     """Transformer blocks (FLUX: double-stream blocks)."""
     num_single_layers: int = 1
@@ -56,14 +62,21 @@ class TinyDiffusionSpec:
     text_max_length: int = 40
     """Token length prompts are padded / truncated to (bytes: one token per character)."""
     vae_channels: list[int] = field(default_factory=lambda: [16, 16, 16, 16])
-    """VAE block widths; four blocks give the usual 8x spatial compression (`tiny`: all equal)."""
+    """VAE block widths; four blocks give the usual 8x spatial compression (`tiny`: all equal;
+    `pixel`: ignored)."""
     latent_channels: int = 16
-    """VAE latent channels (16 for both SD3 and FLUX)."""
+    """VAE latent channels (16 for both SD3 and FLUX; `pixel`: must be 3)."""
+    patch_size: int = 2
+    """SD3 only: the transformer's patch size (latent pixels per token side)."""
+    tokenizer: str = "bytes"
+    """`bytes`: the byte tokenizer (any prompt); `words`: one token per word of the GenEval prompt
+    vocabulary (`mmrl.datasets.geneval.VOCABULARY`; other words are `[unk]`)."""
     vae: str = "tiny"
     """`tiny`: `AutoencoderTiny` (TAESD's architecture, as SD3's TAESD3: no normalisation, so a
     random one draws images whose detail follows the latent's amplitude and rewards can be
     learned in minutes); `kl`: `AutoencoderKL` (SD3's own; a random one's GroupNorms make the
-    image nearly invariant to the latent's scale)."""
+    image nearly invariant to the latent's scale); `pixel`: the identity map between an image
+    and a 3-channel latent of its size (pixel-space diffusion in the latent pipeline)."""
     shift: float = 3.0
     """SD3: the scheduler's static timestep shift."""
 
@@ -72,28 +85,94 @@ def build_tiny_pipeline(spec: TinyDiffusionSpec, seed: int = 0):
     """A randomly initialised tiny pipeline of `spec.family`, deterministic in `seed`."""
     if spec.family not in FAMILIES:
         raise ValueError(f"tiny pipeline: unknown family {spec.family!r} (choose from {', '.join(FAMILIES)})")
-    if not 2 <= len(spec.vae_channels) <= 4:
-        raise ValueError(f"tiny pipeline: vae_channels needs 2 to 4 widths, got {spec.vae_channels}")
-    factor = 2 ** (len(spec.vae_channels) - 1)
-    if spec.resolution % (2 * factor):
+    if spec.vae not in VAES:
+        raise ValueError(f"tiny pipeline: unknown vae {spec.vae!r} (choose from {', '.join(VAES)})")
+    if spec.tokenizer not in TOKENIZERS:
         raise ValueError(
-            f"tiny pipeline: resolution {spec.resolution} must be a multiple of {2 * factor} "
-            f"(VAE factor {factor} x patch 2)"
+            f"tiny pipeline: unknown tokenizer {spec.tokenizer!r} (choose from {', '.join(TOKENIZERS)})"
+        )
+    if spec.vae == "pixel" and spec.latent_channels != 3:
+        raise ValueError(f"tiny pipeline: the pixel vae needs latent_channels=3, got {spec.latent_channels}")
+    if spec.vae != "pixel" and not 2 <= len(spec.vae_channels) <= 4:
+        raise ValueError(f"tiny pipeline: vae_channels needs 2 to 4 widths, got {spec.vae_channels}")
+    if spec.family == "flux" and (spec.vae == "pixel" or spec.patch_size != 2):
+        raise ValueError("tiny FLUX: vae=pixel and patch_size other than 2 are SD3-only")
+    factor = vae_factor(spec)
+    patch = spec.patch_size if spec.family == "sd3" else 2
+    if spec.patch_size < 1 or spec.resolution % (patch * factor):
+        raise ValueError(
+            f"tiny pipeline: resolution {spec.resolution} must be a multiple of {patch * factor} "
+            f"(VAE factor {factor} x patch {patch})"
         )
     torch.manual_seed(seed)
     return _build_sd3(spec) if spec.family == "sd3" else _build_flux(spec)
 
 
+def vae_factor(spec: TinyDiffusionSpec) -> int:
+    """Image pixels per latent pixel (per side)."""
+    return 1 if spec.vae == "pixel" else 2 ** (len(spec.vae_channels) - 1)
+
+
+def build_word_tokenizer():
+    """A word-level tokenizer over `mmrl.datasets.geneval.VOCABULARY` (lower-cased, split on
+    whitespace and punctuation; pad = end of text = id 0, unknown words `[unk]`)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from mmrl.datasets.geneval import VOCABULARY
+
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(["[pad]", "[unk]", *VOCABULARY]))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[unk]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[pad]", unk_token="[unk]")
+
+
 def _tokenizer(spec: TinyDiffusionSpec):
-    tok = build_byte_tokenizer()
+    tok = build_byte_tokenizer() if spec.tokenizer == "bytes" else build_word_tokenizer()
     tok.padding_side = "right"  # the pooled output is read at the first end-of-text token
     tok.model_max_length = spec.text_max_length
     return tok
 
 
+def _pixel_vae():
+    """`AutoencoderTiny` with one block, its weights set so that decode(encode(x)) = x on [-1, 1]
+    images: the encoder's two 3x3 convolutions pass each channel through (centre tap 1, then 0.1:
+    latent = 0.1 x image, which the scaling factor 20 and shift 0.05 of the pipeline turn into a
+    latent of std ~0.6 on the drawings); the decoder's first convolution splits each channel
+    into its positive and negative parts (x 10, then ReLU) and the last recombines them. The
+    tanh(x / 3) x 3 clamp the decoder applies first is the identity up to 0.04% on this range."""
+    from diffusers import AutoencoderTiny
+
+    vae = AutoencoderTiny(
+        encoder_block_out_channels=(3,),
+        decoder_block_out_channels=(6,),
+        latent_channels=3,
+        num_encoder_blocks=(0,),
+        num_decoder_blocks=(0,),
+        scaling_factor=20.0,
+        shift_factor=0.05,
+    )
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.zero_()
+        enc_in, enc_out = vae.encoder.layers[0], vae.encoder.layers[1]
+        dec_in, dec_out = vae.decoder.layers[0], vae.decoder.layers[2]
+        for c in range(3):
+            enc_in.weight[c, c, 1, 1] = 1.0
+            enc_out.weight[c, c, 1, 1] = 0.1
+            dec_in.weight[c, c, 1, 1] = 10.0
+            dec_in.weight[c + 3, c, 1, 1] = -10.0
+            dec_out.weight[c, c, 1, 1] = 1.0
+            dec_out.weight[c, c + 3, 1, 1] = -1.0
+    return vae
+
+
 def _vae(spec: TinyDiffusionSpec, scaling: float, shift: float):
     from diffusers import AutoencoderKL, AutoencoderTiny
 
+    if spec.vae == "pixel":
+        return _pixel_vae()
     if spec.vae == "tiny":
         n = len(spec.vae_channels)
         if len(set(spec.vae_channels)) != 1:
@@ -154,14 +233,14 @@ def _build_sd3(spec: TinyDiffusionSpec):
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection
 
-    factor = 2 ** (len(spec.vae_channels) - 1)
+    factor = vae_factor(spec)
     tokenizer = _tokenizer(spec)
     enc1 = CLIPTextModelWithProjection(_clip_config(spec, tokenizer, spec.text_width)).eval()
     enc2 = CLIPTextModelWithProjection(_clip_config(spec, tokenizer, spec.text_width)).eval()
     width = spec.num_heads * spec.head_dim
     transformer = SD3Transformer2DModel(
         sample_size=spec.resolution // factor,
-        patch_size=2,
+        patch_size=spec.patch_size,
         in_channels=spec.latent_channels,
         out_channels=spec.latent_channels,
         num_layers=spec.num_layers,
@@ -170,7 +249,7 @@ def _build_sd3(spec: TinyDiffusionSpec):
         joint_attention_dim=2 * spec.text_width,
         caption_projection_dim=width,
         pooled_projection_dim=2 * spec.text_width,
-        pos_embed_max_size=max(16, spec.resolution // factor),
+        pos_embed_max_size=max(16, spec.resolution // factor // spec.patch_size),
     )
     return StableDiffusion3Pipeline(
         transformer=transformer,

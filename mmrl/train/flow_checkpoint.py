@@ -72,6 +72,9 @@ class FlowProgress:
     start_reward: float = float("nan")
     best_reward: float = float("nan")
     final_reward: float = float("nan")
+    start_accuracy: float | None = None
+    """Held-out GenEval-style accuracy at step 0 (None: the prompts are not GenEval-style)."""
+    final_accuracy: float | None = None
 
 
 class _Weights:

@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from mmrl.config import MlflowConfig, WandbConfig, load_structured, logger_checks
+from mmrl.models.image_base import ImageWarmupConfig
 from mmrl.models.tiny_diffusion import TinyDiffusionSpec
 
 LORA_TARGETS = [
@@ -38,10 +39,16 @@ class FlowModelConfig:
 
     path: str | None = None
     """Local diffusers pipeline folder (SD3 / SD3.5 / FLUX). None: the built-in tiny pipeline."""
+    base: str = "random"
+    """Without `path`: `random` (the tiny pipeline of `tiny`, random weights) or `geneval` (that
+    pipeline after the flow-matching warm-up on GenEval-style drawings, `mmrl.models.image_base`;
+    cached)."""
     tiny: TinyDiffusionSpec = field(default_factory=TinyDiffusionSpec)
     """Shape of the built-in tiny pipeline (`tiny.family=flux` for FLUX)."""
+    warmup: ImageWarmupConfig = field(default_factory=ImageWarmupConfig)
+    """The warm-up of `base=geneval` (its seed seeds the weights; `seed` is not used then)."""
     seed: int = 0
-    """Seed of the built-in tiny pipeline's random weights."""
+    """Seed of the built-in tiny pipeline's random weights (`base=random`)."""
     cache_dir: str | None = None
     """Where the built-in pipeline is saved; default `$MMRL_CACHE` or `~/.cache/mmrl`."""
     revision: str | None = None
@@ -65,11 +72,16 @@ class FlowDataConfig:
     task: str = "text_to_image"
     """Task name (names the run directory)."""
     prompts: list[str] = field(default_factory=list)
-    """Training prompts; empty: `prompt_file`, else the built-in list (`mmrl.datasets.prompts_t2i`)."""
+    """Training prompts; empty: `prompt_file`, else the built-in set `builtin`."""
+    builtin: str = "scenes"
+    """Built-in prompts: `scenes` (captions, `mmrl.datasets.prompts_t2i`) or `geneval` (the
+    GenEval-style grammar, `mmrl.datasets.geneval`: its train split, evaluated on its held-out
+    split)."""
     prompt_file: str | None = None
     """Text file of training prompts, one per line."""
     eval_prompts: list[str] = field(default_factory=list)
-    """Evaluation prompts; empty: the built-in held-out prompts."""
+    """Evaluation prompts; empty: the built-in set's held-out prompts. When every one is a
+    GenEval-style prompt, evaluations also log `eval/geneval/accuracy` (whatever the reward)."""
 
 
 @dataclass
@@ -261,6 +273,15 @@ class FlowConfig:
         checks = [
             (self.kind == "diffusion", "kind must be diffusion"),
             (self.model.tiny.family in ("sd3", "flux"), "model.tiny.family must be sd3 or flux"),
+            (self.model.base in ("random", "geneval"), "model.base must be random or geneval"),
+            (
+                self.model.base != "geneval" or self.model.tiny.family == "sd3",
+                "model.base=geneval is an SD3 pipeline: model.tiny.family must be sd3 (or model.base=random)",
+            ),
+            (self.data.builtin in ("scenes", "geneval"), "data.builtin must be scenes or geneval"),
+            (self.model.warmup.max_steps >= 1, "model.warmup.max_steps must be >= 1"),
+            (self.model.warmup.eval_every >= 1, "model.warmup.eval_every must be >= 1"),
+            (0 <= self.model.warmup.cond_dropout < 1, "model.warmup.cond_dropout must be in [0, 1)"),
             (
                 self.model.dtype in ("auto", "float32", "bfloat16", "float16"),
                 "model.dtype must be auto, float32, bfloat16 or float16",

@@ -12,7 +12,9 @@ One step (`flow_grpo_step`):
      plus the KL to the reference on the predicted mean; gradients accumulate over the trained
      steps, then one clipped AdamW step and an EMA update
   6. metrics (JSONL + TensorBoard); every `eval_every` steps an ODE-only evaluation with more
-     steps and the EMA weights, its image grid saved as a PNG in the run directory; optionally
+     steps and the EMA weights (the same prompts and seed each time; on GenEval-style prompts
+     also their held-out accuracy, `eval/geneval/accuracy`), its image grid saved as a PNG in
+     the run directory; optionally
      the step's images, rewards and advantages (`trainer.dump_steps`)
 The loop also writes resumable checkpoints (`mmrl.train.flow_checkpoint`) every
 `checkpoint_every` steps, at the end and on SIGINT / SIGTERM, and `trainer.resume` continues
@@ -73,6 +75,10 @@ class FlowTrainResult:
     seconds: float
     interrupted: bool = False
     """Stopped early by SIGINT / SIGTERM (a checkpoint was written)."""
+    start_accuracy: float | None = None
+    """Held-out GenEval-style accuracy of the starting pipeline (None: not GenEval-style prompts)."""
+    final_accuracy: float | None = None
+    """Held-out GenEval-style accuracy of the final weights."""
 
     def summary_line(self, task: str = "text_to_image") -> str:
         """The line `mmrl train --task <task>` ends with."""
@@ -81,10 +87,16 @@ class FlowTrainResult:
                 f"interrupted at step {self.steps}; checkpoint written. Continue with: mmrl train --task "
                 f"{task} trainer.run_dir={self.run_dir} --resume auto ..."
             )
+        accuracy = ""
+        if self.start_accuracy is not None and self.final_accuracy is not None:
+            accuracy = (
+                f"held-out GenEval accuracy {self.start_accuracy:.1%} -> {self.final_accuracy:.1%} "
+                f"({100 * (self.final_accuracy - self.start_accuracy):+.1f} points); "
+            )
         return (
-            f"done in {self.seconds:.0f}s: eval reward {self.start_reward:.4f} -> {self.final_reward:.4f} "
-            f"({self.final_reward - self.start_reward:+.4f}; best {self.best_reward:.4f}); "
-            f"run directory {self.run_dir}"
+            f"done in {self.seconds:.0f}s: {accuracy}eval reward {self.start_reward:.4f} -> "
+            f"{self.final_reward:.4f} ({self.final_reward - self.start_reward:+.4f}; best "
+            f"{self.best_reward:.4f}); run directory {self.run_dir}"
         )
 
 
@@ -195,12 +207,8 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
 
     # 2. Pipeline, trainable weights (LoRA or all), reference, optimizer, EMA, rewards; then the
     #    checkpoint's state, if resuming (its weights replace the trained ones, not the reference).
-    model_path = (
-        Path(cfg.model.path)
-        if cfg.model.path
-        else builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
-    )
     precision = flow_precision(cfg)
+    model_path = flow_model_path(cfg, precision.device)
     pipe = load_flow_pipeline(model_path, precision.compute, revision=cfg.model.revision)
     # Seeded after the pipeline exists: building the built-in one (first use of a cache) draws
     # from the global RNG, which must not change the LoRA initialisation or anything after it.
@@ -223,7 +231,14 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
         metrics_log.log(step, metrics)
         grid = save_grid(images, run_dir / "images" / f"eval_step_{step:05d}.png")
         metrics_log.log_image("eval/images", grid, step)
-        log.info("step %d: eval reward %.4f", step, metrics["eval/reward/mean"])
+        accuracy = metrics.get("eval/geneval/accuracy")
+        log.info(
+            "step %d: eval reward %.4f%s", step, metrics["eval/reward/mean"],
+            "" if accuracy is None else f", GenEval accuracy {accuracy:.3f}",
+        )  # fmt: skip
+        if step == 0:
+            progress.start_accuracy = accuracy
+        progress.final_accuracy = accuracy
         return metrics["eval/reward/mean"]
 
     # 3. The loop: one flow-GRPO step per rollout batch, ODE evaluation every `eval_every` steps,
@@ -268,7 +283,7 @@ def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
         metrics_log.status = "interrupted" if stop.requested else "finished"
     result = FlowTrainResult(
         run_dir, p.start_reward, p.final_reward, p.best_reward, p.step, time.monotonic() - t_start,
-        interrupted=stop.requested,
+        interrupted=stop.requested, start_accuracy=p.start_accuracy, final_accuracy=p.final_accuracy,
     )  # fmt: skip
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
     summary["model_path"] = str(model_path)
@@ -293,6 +308,19 @@ def create_run_dir(cfg: FlowConfig) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(flow_config_to_yaml(cfg))
     return path
+
+
+def flow_model_path(cfg: FlowConfig, device: str | torch.device = "cpu") -> Path:
+    """The pipeline folder: `model.path`, else the built-in one (`model.base`): the random tiny
+    pipeline, or the warmed-up image base (made on `device` the first time, then cached)."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    if cfg.model.base == "geneval":
+        from mmrl.models.image_base import builtin_image_base
+
+        msl = cfg.model.max_sequence_length or 8
+        return builtin_image_base(cfg.model.tiny, cfg.model.warmup, cfg.model.cache_dir, device, msl)
+    return builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
 
 
 def flow_precision(cfg: FlowConfig) -> Precision:
@@ -685,7 +713,24 @@ def evaluate(cfg: FlowConfig, t: FlowTrainee, prompts: list[str]) -> tuple[dict[
             negative_prompt=s.negative_prompt,
         )
     _, reward_metrics = score_images(cfg, t, traj.images, list(prompts))
-    return {f"eval/{k}": v for k, v in reward_metrics.items()}, traj.images
+    metrics = {f"eval/{k}": v for k, v in reward_metrics.items()}
+    if geneval_style(prompts):
+        from mmrl.verifiers.geneval import prompt_following
+
+        metrics.update(
+            {f"eval/geneval/{k}": v for k, v in prompt_following(traj.images, list(prompts)).items()}
+        )
+    return metrics, traj.images
+
+
+def geneval_style(prompts: Sequence[str]) -> bool:
+    """Whether every prompt is one of the GenEval-style grammar with objects (not text)."""
+    from mmrl.datasets.geneval import parse_prompt
+
+    try:
+        return all(parse_prompt(p).text is None for p in prompts)
+    except ValueError:
+        return False
 
 
 @contextmanager
@@ -757,19 +802,28 @@ def plot_flow_curves(metrics_path: Path, out_path: Path) -> Path:
 
 
 def load_prompts(cfg: FlowConfig) -> tuple[list[str], list[str]]:
-    """Training and evaluation prompts: from the config, a file, or the built-in list."""
+    """Training and evaluation prompts: from the config, a file, or the built-in set
+    (`data.builtin`; GenEval-style: its train split, and the first `eval_size` held-out prompts,
+    the kinds interleaved)."""
+    from mmrl.datasets.geneval import geneval_prompts
     from mmrl.datasets.prompts_t2i import builtin_prompts, read_prompt_file
 
     d = cfg.data
+    geneval = d.builtin == "geneval"
     if d.prompts:
         train = list(d.prompts)
     elif d.prompt_file:
         train = read_prompt_file(d.prompt_file)
     else:
-        train = builtin_prompts("train")
+        train = geneval_prompts("train") if geneval else builtin_prompts("train")
     if any(not isinstance(p, str) or not p.strip() for p in train):
         raise ValueError("data.prompts: every prompt must be a non-empty string")
-    eval_prompts = list(d.eval_prompts) or builtin_prompts("eval")
+    if d.eval_prompts:
+        eval_prompts = list(d.eval_prompts)
+    else:
+        eval_prompts = (
+            geneval_prompts("heldout", n=cfg.trainer.eval_size) if geneval else builtin_prompts("eval")
+        )
     return train, eval_prompts[: cfg.trainer.eval_size]
 
 

@@ -1,0 +1,87 @@
+"""The `geneval` reward: GenEval-style prompt following of generated images, by rule.
+
+Each prompt is parsed with the GenEval-style grammar (`mmrl.datasets.geneval.parse_prompt`);
+an object prompt ("two red circles", "a blue square left of a green triangle") is scored by the
+`geneval` verifier's rules (`mmrl.verifiers.geneval`: partial credit for colour, count, shape
+and position, times `clean`), a text prompt (`the text "cat"`) by the OCR reward (`ocr`, built
+on first use: rapidocr loads its models then). Components: `correct` (GenEval's strict verdict;
+the OCR reward's exact match for text), and the verifier's `colour`, `count`, `shape`,
+`position`, `clean` (1 for text prompts).
+
+It runs on the host (image analysis in NumPy), whatever device it is configured with. A prompt
+outside the grammar is a `RewardModelError` naming it (the trainer counts the batch as failed
+for this reward, never scores it silently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mmrl.rewards.base import (
+    ImagesLike,
+    RewardModel,
+    RewardModelError,
+    RewardOutput,
+    as_pil_images,
+    register_reward_model,
+)
+
+PARTS = ("correct", "colour", "count", "shape", "position", "clean")
+
+
+@register_reward_model("geneval")
+class GenEvalReward(RewardModel):
+    """Partial-credit GenEval-style accuracy per image (see the module docs)."""
+
+    requires = ("images", "prompts")
+    cpu_only = True
+
+    def __init__(self, strict: bool = False, device: str | torch.device = "cpu"):
+        """`strict`: the reward is GenEval's 0/1 `correct` instead of the partial credit."""
+        super().__init__("cpu")
+        self.strict = strict
+        self._ocr = None
+
+    def score_with_components(
+        self,
+        images: ImagesLike | None = None,
+        prompts: Sequence[str] | None = None,
+        responses: Sequence[str] | None = None,
+        **fields: Sequence[Any],
+    ) -> RewardOutput:
+        from mmrl.datasets.geneval import parse_prompt
+        from mmrl.verifiers.geneval import analyse, check_spec
+
+        self.check_inputs(images, prompts, responses, fields)
+        specs = []
+        for i, prompt in enumerate(prompts or []):
+            try:
+                specs.append(parse_prompt(prompt))
+            except ValueError as exc:
+                raise RewardModelError(f"geneval: prompt {i}: {exc}") from None
+        pil = as_pil_images(images)
+        scores: list[float] = [0.0] * len(pil)
+        parts: dict[str, list[float]] = {k: [1.0] * len(pil) for k in PARTS}
+        text_rows = [i for i, s in enumerate(specs) if s.text is not None]
+        for i, (image, spec) in enumerate(zip(pil, specs)):
+            if spec.text is not None:
+                continue
+            found = check_spec(spec, analyse(image))
+            scores[i] = found["correct"] if self.strict else found["accuracy"]
+            for k in PARTS:
+                parts[k][i] = found[k]
+        if text_rows:
+            if self._ocr is None:
+                from mmrl.rewards.ocr import OcrReward
+
+                self._ocr = OcrReward()
+            out = self._ocr.score_with_components(
+                images=[pil[i] for i in text_rows], texts=[specs[i].text for i in text_rows]
+            )
+            for i, score in zip(text_rows, out.scores):
+                scores[i] = float(score == 1.0) if self.strict else score
+                parts["correct"][i] = float(score == 1.0)
+        return RewardOutput(scores=scores, components=parts)

@@ -1,0 +1,238 @@
+"""The GenEval-style prompts and the `geneval` verifier: the grammar, the splits, the drawings
+(each must satisfy its own spec), hand-worked partial credit and positions, and adversarial
+images that must not collect credit (every colour at once, stripes, noise)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from mmrl.datasets.geneval import (
+    COLOURS,
+    ImageSpec,
+    ObjectSpec,
+    all_specs,
+    draw,
+    draw_shape,
+    geneval_prompts,
+    parse_prompt,
+    prompt_text,
+    spec_from_dict,
+)
+from mmrl.types import RewardSpec, Sample, VerifyContext
+from mmrl.verifiers import get_verifier
+from mmrl.verifiers.geneval import DetectedObject, analyse, check_spec, relative_position
+from mmrl.verifiers.registry import SampleFieldError
+
+GREY = (236, 236, 236)
+
+
+def _canvas(size: int = 32) -> tuple[Image.Image, ImageDraw.ImageDraw]:
+    image = Image.new("RGB", (size, size), GREY)
+    return image, ImageDraw.Draw(image)
+
+
+def _check(prompt: str, image) -> dict[str, float]:
+    return check_spec(parse_prompt(prompt), analyse(image))
+
+
+# --- the grammar and the splits ------------------------------------------------------------------
+def test_every_prompt_parses_back_to_its_spec():
+    specs = all_specs(("single", "count", "position", "text"))
+    assert len(specs) == 18 + 36 + 18 * 5 * 3 * 4 + 8
+    for spec in specs:
+        back = parse_prompt(prompt_text(spec))
+        assert back == spec and back.kind == spec.kind
+        assert spec_from_dict(spec.to_dict()) == spec
+    assert parse_prompt("  Two RED   circles ") == ImageSpec((ObjectSpec("red", "circle", 2),))
+
+
+@pytest.mark.parametrize(
+    "prompt, problem",
+    [
+        ("a pink circle", "not a GenEval-style prompt"),
+        ("two red circle", "does not agree in number"),
+        ("a red circle left of a red square", "different colours"),
+        ('the text ""', "not a GenEval-style prompt"),
+    ],
+)
+def test_bad_prompts_are_named(prompt, problem):
+    with pytest.raises(ValueError, match=problem) as err:
+        parse_prompt(prompt)
+    assert repr(prompt) in str(err.value)
+
+
+def test_bad_specs_name_the_field():
+    with pytest.raises(ValueError, match=r"gt\.objects\[0\]\.shape"):
+        spec_from_dict({"objects": [{"colour": "red", "shape": "star", "count": 1}]}, where="gt")
+    with pytest.raises(ValueError, match=r"gt\.objects\[0\]\.count"):
+        spec_from_dict({"objects": [{"colour": "red", "shape": "circle", "count": 4}]}, where="gt")
+    with pytest.raises(ValueError, match="two groups need a relation"):
+        spec_from_dict(
+            {"objects": [{"colour": "red", "shape": "circle"}, {"colour": "blue", "shape": "circle"}]}
+        )
+    with pytest.raises(ValueError, match="unknown keys"):
+        spec_from_dict({"objects": [], "colour": "red"})
+
+
+def test_splits_are_deterministic_and_held_out_prompts_are_not_trained_on():
+    train, heldout = geneval_prompts("train"), geneval_prompts("heldout")
+    assert geneval_prompts("heldout") == heldout and geneval_prompts("train") == train
+    kinds = {p: parse_prompt(p).kind for p in heldout}
+    # single-object prompts are shared (18 of them); the other kinds are disjoint
+    assert not {p for p in heldout if kinds[p] != "single"} & set(train)
+    assert {parse_prompt(p).kind for p in heldout[:3]} == {"single", "count", "position"}
+    assert set(geneval_prompts("validation")) <= set(train)
+    for kind in ("count", "position"):  # a kind's split is the same asked alone or with others
+        assert geneval_prompts("train", (kind,)) == [
+            p for p in train if kinds.get(p, parse_prompt(p).kind) == kind
+        ]
+    assert geneval_prompts("heldout", seed=1) != heldout
+
+
+# --- drawings satisfy their specs ----------------------------------------------------------------
+@pytest.mark.parametrize("size", [32, 64, 256])
+def test_every_drawing_satisfies_its_spec(size):
+    rng = np.random.default_rng(size)
+    specs = all_specs()
+    for i in rng.permutation(len(specs))[: 150 if size < 256 else 30]:
+        spec = specs[i]
+        result = check_spec(spec, analyse(draw(spec, rng, size)))
+        assert result["correct"] == 1.0 and result["accuracy"] == 1.0, (prompt_text(spec), result)
+
+
+# --- hand-worked credit --------------------------------------------------------------------------
+def test_partial_credit_per_attribute():
+    image, d = _canvas()
+    draw_shape(d, "circle", 8, 8, 5, COLOURS["red"])
+    draw_shape(d, "square", 24, 24, 5, COLOURS["red"])
+    r = _check("two red circles", image)
+    # colour: red found; count: 2 red objects; shape: min(2, 1 circle) / max(2, 2) = 0.5
+    assert (r["colour"], r["count"], r["shape"], r["clean"]) == (1.0, 1.0, 0.5, 1.0)
+    assert r["accuracy"] == pytest.approx((1 + 1 + 0.5) / 3) and r["correct"] == 0.0
+    r = _check("three red circles", image)
+    # count wrong; shape = min(3, 1) / max(3, 2) = 1/3
+    assert (r["colour"], r["count"]) == (1.0, 0.0) and r["shape"] == pytest.approx(1 / 3)
+    r = _check("a blue circle", image)  # nothing blue; the red pixels make `clean` 0 anyway
+    assert (r["colour"], r["count"], r["shape"], r["clean"], r["accuracy"]) == (0, 0, 0, 0, 0)
+
+
+def test_an_extra_object_of_another_colour_costs_clean_and_correct():
+    image, d = _canvas()
+    draw_shape(d, "circle", 8, 16, 6, COLOURS["red"])  # 13x13 disc
+    draw_shape(d, "square", 25, 16, 3, COLOURS["blue"])  # 7x7 = 49 pixels
+    r = _check("a red circle", image)
+    a = analyse(image)
+    red, blue = a.coloured["red"], a.coloured["blue"]
+    assert blue == 49 and r["clean"] == pytest.approx(red / (red + blue))
+    assert r["accuracy"] == pytest.approx(r["clean"]) and r["correct"] == 0.0
+
+
+def test_shapes_are_told_apart():
+    for shape in ("circle", "square", "triangle"):
+        image, d = _canvas(64)
+        draw_shape(d, shape, 32, 32, 14, COLOURS["green"])
+        (obj,) = analyse(image).objects
+        assert (obj.colour, obj.shape) == ("green", shape)
+
+
+def _box(x0, y0, x1, y1) -> DetectedObject:
+    return DetectedObject("red", "square", 1, (x0, y0, x1, y1), (0.0, 0.0))
+
+
+def test_geneval_position_rule_by_hand():
+    # centres (4.5, 14.5) and (24.5, 14.5): offset (-20, 0), reduced by 0.1 x (10 + 10) to -18
+    assert relative_position(_box(0, 10, 9, 19), _box(20, 10, 29, 19)) == {"left of"}
+    assert relative_position(_box(20, 10, 29, 19), _box(0, 10, 9, 19)) == {"right of"}
+    # offset (-3, -8), reduced by 2 on both axes to (-1, -6), over |offset| = 8.544: (-0.12, -0.70)
+    assert relative_position(_box(0, 0, 9, 9), _box(3, 8, 12, 17)) == {"above"}
+    # offset (-1, -1): both reduced to 0, no relation
+    assert relative_position(_box(0, 0, 9, 9), _box(1, 1, 10, 10)) == set()
+    # offset (-12, -12): reduced to (-10, -10) over 16.97 -> (-0.59, -0.59): left of and above
+    assert relative_position(_box(0, 0, 9, 9), _box(12, 12, 21, 21)) == {"left of", "above"}
+
+
+def test_position_credit_follows_the_drawing():
+    image, d = _canvas()
+    draw_shape(d, "square", 7, 16, 4, COLOURS["blue"])
+    draw_shape(d, "triangle", 24, 16, 5, COLOURS["green"])
+    right = _check("a blue square left of a green triangle", image)
+    assert right["position"] == 1.0 and right["correct"] == 1.0
+    wrong = _check("a blue square right of a green triangle", image)
+    assert wrong["position"] == 0.0 and wrong["accuracy"] == pytest.approx(6 / 7)
+    assert _check("a blue square above a green triangle", image)["position"] == 0.0
+
+
+# --- adversarial images ------------------------------------------------------------------------
+def test_every_colour_at_once_collects_little():
+    """Six small squares, one per colour: the colour and count credit are there for any
+    single-object prompt, but `clean` (requested colour's share of the coloured pixels) is 1/6."""
+    image, d = _canvas(64)
+    for i, rgb in enumerate(COLOURS.values()):
+        draw_shape(d, "circle", 10 + (i % 3) * 22, 16 + (i // 3) * 30, 6, rgb)
+    for colour in COLOURS:
+        r = _check(f"a {colour} circle", image)
+        assert (r["colour"], r["count"], r["shape"]) == (1.0, 1.0, 1.0)
+        assert r["clean"] == pytest.approx(1 / 6, abs=0.02) and r["accuracy"] < 0.18
+        assert r["correct"] == 0.0
+
+
+def test_stripes_of_every_colour_are_not_objects():
+    """Full-height stripes span the image (not objects) and leave `clean` at 0."""
+    image, d = _canvas(48)
+    for i, rgb in enumerate(COLOURS.values()):
+        d.rectangle([2 + 8 * i, 0, 5 + 8 * i, 47], fill=rgb)
+    a = analyse(image)
+    assert a.objects == [] and 0.3 < a.foreground < 0.6
+    for colour in COLOURS:
+        r = _check(f"two {colour} squares", image)
+        assert r["accuracy"] == 0.0 and r["format"] == 1.0
+
+
+def test_noise_and_blank_images_score_zero():
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, size=(32, 32, 3), dtype=np.uint8)
+    r = _check("a red circle", noise)
+    assert r["format"] == 0.0 and r["accuracy"] == 0.0  # mostly foreground: not a drawing
+    blank, _ = _canvas()
+    r = _check("a red circle", blank)
+    assert r["format"] == 1.0 and r["accuracy"] == 0.0 and r["objects"] == 0.0
+    # a speck below the minimum area is not an object either
+    image, d = _canvas()
+    d.rectangle([10, 10, 11, 11], fill=COLOURS["red"])
+    assert _check("a red square", image)["count"] == 0.0
+
+
+def test_text_specs_go_to_ocr():
+    with pytest.raises(ValueError, match="OCR"):
+        _check('the text "cat"', _canvas()[0])
+
+
+# --- the registered verifier ---------------------------------------------------------------------
+def _sample(gt, images) -> Sample:
+    return Sample(
+        data_source="geneval",
+        prompt=[{"role": "user", "content": "a red circle"}],
+        images=images,
+        ability="prompt_following",
+        reward_model=RewardSpec(ground_truth=gt, verifier="geneval", accuracy_ratio=1.0, format_ratio=0.0),
+        extra_info={"id": "g0"},
+    )
+
+
+def test_registered_verifier_scores_and_checks_samples():
+    verifier = get_verifier("geneval")
+    spec = parse_prompt("a red circle")
+    image = draw(spec, np.random.default_rng(3), 32)
+    result = verifier("", _sample(spec.to_dict(), [image]), VerifyContext())
+    assert result.error is None and result.score == 1.0 and result.components["correct"] == 1.0
+    bad = [
+        ({"objects": [{"colour": "pink", "shape": "circle"}]}, [image], "reward_model.ground_truth", "pink"),
+        (spec.to_dict(), [], "images", "exactly one image"),
+        ({"text": "cat"}, [image], "reward_model.ground_truth", "OCR"),
+    ]
+    for gt, images, field, problem in bad:
+        with pytest.raises(SampleFieldError, match=problem) as err:
+            verifier.check_sample(_sample(gt, images))
+        assert err.value.field == field
