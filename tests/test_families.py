@@ -3,8 +3,9 @@
 One fixed-seed run per family (GRPO, Dr.GRPO, GSPO, CISPO, REINFORCE++, GDPO with two rewards)
 and per stability option on top of GRPO (token masking, sequence rejection, Clip-Cov, the
 demonstration term), each the shortened recipe of `test_training.py` with only its own settings
-changed, on the built-in base and `vision_reasoning`. Slow tests (ten training runs of one to
-three minutes each on the 2-core machine); they run in CI too, spread over `make test`'s workers.
+changed, on the built-in base and `vision_reasoning`. Slow tests (ten training runs, 3.5-5.5
+minutes each on the 2-core machine under other load); they run in CI too, spread over `make
+test`'s workers.
 """
 
 from __future__ import annotations
