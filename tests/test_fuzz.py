@@ -10,11 +10,13 @@ from __future__ import annotations
 import io
 import json
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from mmrl.datasets.geneval import draw, parse_prompt
 from mmrl.datasets.schema import SampleError, sample_from_record
 from mmrl.eval.parsers import parse_answer_string, parse_json_value
 from mmrl.server.protocol import RequestError, parse_get_reward, parse_judge, parse_score_request
@@ -96,13 +98,22 @@ def test_eval_answer_parsers_never_crash(text):
     parse_json_value(text)
 
 
+GENEVAL_SPEC = parse_prompt("a red circle")
+GENEVAL_IMAGE = draw(GENEVAL_SPEC, np.random.default_rng(0), 32)
+
+
 @FUZZ
 @given(MODEL_TEXT, st.sampled_from(sorted(set(verifier_names()))))
 def test_every_verifier_scores_any_response_without_raising(text, name):
     gold = {"detection": [{"bbox_2d": [1, 2, 30, 40], "label": "cat"}], "choice": "B", "counting": 3}.get(
         name, "3"
     )
-    sample = Sample("fuzz", [{"role": "user", "content": "q"}], [], "x", RewardSpec(gold, name), {"id": "f"})
+    images = []
+    if name == "geneval":  # scores the sample's image against its spec (the text is not read)
+        gold, images = GENEVAL_SPEC.to_dict(), [GENEVAL_IMAGE]
+    sample = Sample(
+        "fuzz", [{"role": "user", "content": "q"}], images, "x", RewardSpec(gold, name), {"id": "f"}
+    )
     result = get_verifier(name)(text, sample, VerifyContext(1, 10), time_limit_s=5.0)
     # Malformed model output is a (low) score, never a verifier error: an error here is a bug.
     assert result.error is None, result.error
