@@ -41,7 +41,7 @@ def tiny_policy() -> Policy:
     return make_policy(build_tiny_vlm(spec, seed=0), build_processor(spec))
 
 
-_THREADS = torch.get_num_threads()
+_THREADS = 0  # torch's thread count for every test; set in pytest_configure
 
 
 @pytest.fixture(autouse=True)

@@ -16,24 +16,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-from filelock import FileLock
 
 from mmrl.config import Config
 from mmrl.datasets.procedural import make_samples, reference_response
+from mmrl.models.base_cache import cache_root, cached_base
 from mmrl.models.families import vision_layout
 from mmrl.models.loading import Policy, make_policy
 from mmrl.models.tiny import build_processor, build_tiny_vlm
 from mmrl.rollout.hf import HFRolloutEngine, encode_prompts
 from mmrl.router import Router
-from mmrl.train.checkpoint import rng_state, set_rng_state
 from mmrl.train.evaluation import evaluate
 from mmrl.train.forward import response_logprobs
 from mmrl.types import RolloutBatch, Sample
@@ -42,11 +39,6 @@ log = logging.getLogger(__name__)
 
 BASE_FORMAT_VERSION = 1
 """Bump when the warm-up recipe changes, so stale cached bases are not reused."""
-
-
-def cache_root(cfg: Config) -> Path:
-    root = cfg.model.cache_dir or os.environ.get("MMRL_CACHE") or Path.home() / ".cache" / "mmrl"
-    return Path(root)
 
 
 def base_key(cfg: Config) -> str:
@@ -64,38 +56,20 @@ def base_key(cfg: Config) -> str:
 
 
 def builtin_base(cfg: Config) -> Path:
-    """Path of the built-in base for `cfg`, warming it up first if it is not cached. The random
-    generators are left as they were: the warm-up draws from them, and a caller must sample the
-    same whether the base was built or found in the cache."""
-    path = cache_root(cfg) / "bases" / f"{cfg.data.task}-{base_key(cfg)}"
-    if (path / "warmup.json").exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Processes started together (test workers, several runs on one node) build it once: the
-    # others wait here, then find it.
-    with FileLock(str(path) + ".lock"):
-        if (path / "warmup.json").exists():
-            return path
-        return _build_base(cfg, path)
+    """Path of the built-in base for `cfg`, warming it up first if it is not cached (built once,
+    the random generators left as they were: `mmrl.models.base_cache`)."""
+    path = cache_root(cfg.model.cache_dir) / "bases" / f"{cfg.data.task}-{base_key(cfg)}"
 
-
-def _build_base(cfg: Config, path: Path) -> Path:
-    log.info("building the built-in base model (one-time supervised warm-up) in %s", path)
-    state = rng_state()
-    try:
+    def build():
         policy, report = warm_up(cfg)
-    finally:
-        set_rng_state(state)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.model.save_pretrained(tmp)
-    policy.processor.save_pretrained(tmp)
-    (tmp / "warmup.json").write_text(json.dumps(report, indent=2))
-    try:
-        tmp.rename(path)  # atomic: a half-written base is never picked up
-    except OSError:  # another process finished first; theirs is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+        def save(folder: Path) -> None:
+            policy.model.save_pretrained(folder)
+            policy.processor.save_pretrained(folder)
+
+        return save, report
+
+    return cached_base(path, "the built-in base model (supervised warm-up)", build)
 
 
 def teacher_forced_batch(policy: Policy, samples: list[Sample], targets: list[str]) -> RolloutBatch:

@@ -27,8 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmrl.models.base_cache import cache_root, cached_base
 from mmrl.models.tiny_diffusion import TinyDiffusionSpec, build_tiny_pipeline
 
 log = logging.getLogger(__name__)
@@ -93,28 +92,17 @@ def builtin_image_base(
     max_sequence_length: int = 8,
 ) -> Path:
     """Path of the built-in image base, warming it up (on `device`) first if it is not cached."""
-    root = Path(cache_dir or os.environ.get("MMRL_CACHE") or Path.home() / ".cache" / "mmrl")
-    path = root / "bases" / f"image-{spec.family}-{image_base_key(spec, warmup, max_sequence_length)}"
-    if (path / "warmup.json").exists():
-        return path
-    log.info("building the built-in image base (one-time flow-matching warm-up) in %s", path)
-    from mmrl.train.checkpoint import rng_state, set_rng_state
+    path = (
+        cache_root(cache_dir)
+        / "bases"
+        / f"image-{spec.family}-{image_base_key(spec, warmup, max_sequence_length)}"
+    )
 
-    state = rng_state()
-    try:
+    def build():
         pipe, report = warm_up_image_base(spec, warmup, device, max_sequence_length)
-    finally:
-        set_rng_state(state)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.to("cpu").save_pretrained(tmp)
-    (tmp / "warmup.json").write_text(json.dumps(report, indent=2))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.rename(path)  # atomic: a half-written base is never picked up
-    except OSError:  # another process finished first; theirs is identical
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+        return (lambda folder: pipe.to("cpu").save_pretrained(folder)), report
+
+    return cached_base(path, "the built-in image base (flow-matching warm-up)", build)
 
 
 def drawings_to_latents(pipe, images: np.ndarray, device: torch.device) -> torch.Tensor:
