@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py                                  # the shape: 8 x 8 x 512
     python benchmarks/memory.py --prompts 2 --group 4 --length 512 --variants pass-plain pass-chunked
+    python benchmarks/memory.py --micro-rows 8 --variants pass-chunked     # rows 8 at a time
     pip install -c constraints.txt -e ".[bench]"                 # TRL, for the step-trl variant
 
 The model is a Qwen2.5-VL built from config with the real 151,936-token vocabulary and the 3B
@@ -28,6 +29,12 @@ kernel's high-water mark of its resident set (`/proc/self/clear_refs`) and measu
 - `step-trl`: the same step in TRL's `GRPOTrainer` (its own fused, chunked LM head), on the same
   model object, prompts, group size, mini-batches (`steps_per_generation`), response length
   (`min_new_tokens` = `max_completion_length`) and random 0/1 rewards, `beta=0`, float32 on the CPU.
+
+`--micro-rows` is `trainer.micro_batch_rows` (rows per forward and backward; the no-grad pass
+runs in the same row chunks) and, for TRL, its per-device batch with gradient accumulation up to
+the same mini-batch; `--logits-chunk-mb` is `trainer.logits_chunk_mb`. The model's own
+activations grow with rows x length (an MLP intermediate of 11,008 per token is 7% of a
+151,936-logit row), so bounding the pass takes both: few rows a forward, small logit chunks.
 
 Prints, per variant, the peak above the model and the ratio to the full float32 logits tensor
 [N, R, V] (the goal for the pass: at most 1/8), and the step's peak against TRL's (the goal: at
@@ -122,6 +129,8 @@ def _config(args):
             f"rollout.group_size={args.group}",
             f"rollout.max_new_tokens={args.length}",
             f"trainer.mini_batches={args.mini_batches}",
+            f"trainer.micro_batch_rows={args.micro_rows}",
+            f"trainer.logits_chunk_mb={args.logits_chunk_mb}",
             "algo.kl_coef=0",
             "trainer.device=cpu",
             "model.dtype=float32",
@@ -161,10 +170,16 @@ def run_variant(args) -> dict:
         fn = plain_response_logprobs if args.variant == "pass-plain" else response_logprobs
         kwargs = {} if args.variant == "pass-plain" else {"chunk": logits_chunk(cfg, policy)}
         policy.model.eval()
+        # As the trainer runs it (mmrl.train.update.old_and_ref_logprobs): rows in micro-batches
+        # of `trainer.micro_batch_rows` (0: all at once), each through the pass.
+        from mmrl.train.batching import select_rows
+        from mmrl.train.update import row_chunks
+
+        subs = [select_rows(batch, rows) for rows in row_chunks(cfg, N)]
         base = reset_peak()
         start = time.perf_counter()
         with torch.no_grad():
-            logp, _ = fn(policy.model, batch, policy.blocked, 1.0, **kwargs)
+            logp = torch.cat([fn(policy.model, sub, policy.blocked, 1.0, **kwargs)[0] for sub in subs])
         out["seconds"] = time.perf_counter() - start
         out["peak_above_model"] = _status("VmHWM") - base
         out["checksum"] = float(logp.sum())
@@ -212,6 +227,8 @@ def run_trl(args, cfg, policy, samples, out: dict) -> dict:
     from datasets import Dataset
 
     B, G, R, mb = args.prompts, args.group, args.length, args.mini_batches
+    micro = args.micro_rows or B * G // mb  # rows per forward/backward, as mmrl's micro-batches
+    accumulate = B * G // mb // micro
     dataset = Dataset.from_dict(
         {
             "prompt": [
@@ -238,9 +255,10 @@ def run_trl(args, cfg, policy, samples, out: dict) -> dict:
 
     trl_args = GRPOConfig(
         output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "mmrl-memory-trl"),
-        per_device_train_batch_size=B * G // mb,
-        gradient_accumulation_steps=1,
-        steps_per_generation=mb,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulate,
+        # one generation of B x G, then `mb` optimizer steps of `accumulate` micro-batches each
+        steps_per_generation=mb * accumulate,
         num_generations=G,
         max_completion_length=R,
         temperature=cfg.rollout.temperature,
@@ -289,6 +307,19 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="G, responses per prompt")
     parser.add_argument("--length", type=int, default=512, help="R, tokens per response")
     parser.add_argument("--mini-batches", type=int, default=2)
+    parser.add_argument(
+        "--micro-rows",
+        type=int,
+        default=0,
+        help="rows per forward/backward (trainer.micro_batch_rows; TRL: per-device batch with "
+        "gradient accumulation); 0: a whole mini-batch at once",
+    )
+    parser.add_argument(
+        "--logits-chunk-mb",
+        type=int,
+        default=128,
+        help="trainer.logits_chunk_mb: float32 logits per chunk of the chunked LM head",
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -302,7 +333,8 @@ def main() -> None:
     full = N * R * VOCAB * 4
     print(f"Qwen2.5-VL-shaped, vocab {VOCAB}, hidden 2048, {args.layers} layers, float32, CPU")
     print(
-        f"{args.prompts} prompts x {args.group} responses x {R} tokens ({N} rows); "
+        f"{args.prompts} prompts x {args.group} responses x {R} tokens ({N} rows, "
+        f"{args.micro_rows or 'all'} a forward, chunks of {args.logits_chunk_mb} MB); "
         f"full float32 logits [N, R, V] = {full / GiB:.2f} GiB"
     )
     results: dict[str, dict] = {}
@@ -310,7 +342,17 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--variant", variant] + [
             f"--{k.replace('_', '-')}={v}"
             for k, v in vars(args).items()
-            if k in ("prompts", "group", "length", "mini_batches", "layers", "threads")
+            if k
+            in (
+                "prompts",
+                "group",
+                "length",
+                "mini_batches",
+                "micro_rows",
+                "logits_chunk_mb",
+                "layers",
+                "threads",
+            )
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
