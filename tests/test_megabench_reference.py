@@ -162,6 +162,31 @@ def test_json_parser_inlines_json_held_in_strings_and_keeps_key_types():
     assert not ok and fields == {"a": "no json here", "b": "no json here"}  # raw text per field
 
 
+def test_a_json_span_megabench_cannot_read_scores_the_dict_metric_zero():
+    # MEGA-Bench's parse_json catches only SyntaxError/ValueError around ast.literal_eval, so
+    # `{[1, 2]}` (a set holding a list) raises TypeError out of cast_to_dict and its metric
+    # wrapper scores the whole field 0 (not 1/2 for the key that matches); found by
+    # benchmarks/megabench_agreement.py.
+    target = '{"a": "x", "b": [[1, 2]]}'
+    assert reference("dict_set_equality_agg_jaccard", {"a": "x", "b": "{[1, 2]}"}, target) == 0.0
+    assert reference("dict_exact_str_match_agg_recall", {"a": "x", "b": "{[1]}"}, {"a": "x", "b": "y"}) == 0.0
+    assert reference("dict_exact_str_match_agg_recall", {"a": "x", "b": "[1]"}, {"a": "x", "b": "y"}) == 0.5
+    # in a response parser the same error crashes MEGA-Bench's evaluator; mmrl skips the span
+    assert mb.parse_answer_string("Answer: {[1, 2]}") == "{[1, 2]}"
+    assert mb.parse_fields("Answer: {[1, 2]}", "json", {"a": "1"}, ["a"])[1] is False
+
+
+def test_a_complex_answer_gets_no_credit_from_the_rmse_metrics():
+    # MEGA-Bench gives normalized_rmse("1j", "0") the complex score (1-10j) and
+    # angle_seq_float_rmse([1j, 2], [1, 2]) (0.95+0.05j), on which its aggregation raises
+    # (`s >= 0`): no reference number. Taking the real part would score the imaginary answer 1.0
+    # and 0.95; mmrl scores 0 (deliberate, listed in mmrl/eval/megabench.py).
+    assert reference("normalized_rmse", "1j", "0") == 0.0
+    assert reference("angle_seq_float_rmse", "[1j, 2]", "[1, 2]") == 0.0
+    assert reference("normalized_rmse", "0.01", "0") == pytest.approx(0.9)  # real answers as before
+    assert reference("angle_seq_float_rmse", "[1.5, 2]", "[1, 2]") == pytest.approx(0.975)
+
+
 # -- aggregation
 
 

@@ -40,6 +40,13 @@ Deliberate differences, where MEGA-Bench's code is unsafe rather than a definiti
   evaluator's own process. Here expressions go through a small arithmetic evaluator with the
   same results on arithmetic (and None where `eval` would run anything else), and programs run
   in `mmrl.eval.sandbox`.
+- A JSON span that MEGA-Bench's reader fails on with an error it does not catch (`{[1, 2]}`:
+  a set of a list, `TypeError`) scores the metric 0 in both, but in a response parser it
+  crashes MEGA-Bench's evaluator; here the parser skips that span.
+- A complex number (`1j` against `0` in `normalized_rmse`, `[1j, 2]` in
+  `angle_seq_float_rmse`): MEGA-Bench computes a complex score and its aggregation then raises
+  (`s >= 0`), so it has no number to match; here it scores 0, never its real part (which would
+  give an imaginary answer full credit).
 - Per-metric SIGALRM time limits (10-15 s) are not set: each sandboxed program has its own
   limits, the rest is bounded by input size.
 """
@@ -181,9 +188,20 @@ def _answer_line(response: str) -> str:
     return match.group(1).strip() if match else response.strip()
 
 
-def _span_values(span: str) -> list[Any]:
-    """What MEGA-Bench's JSON reader collects from one balanced span (0, 1 or 2 values)."""
+def _span_values(span: str, strict: bool = False) -> list[Any]:
+    """What MEGA-Bench's JSON reader collects from one balanced span (0, 1 or 2 values).
+
+    MEGA-Bench catches only `SyntaxError` / `ValueError` around `ast.literal_eval`, so a span
+    such as `{[1, 2]}` (a set of a list: `TypeError`, unhashable) raises out of its `parse_json`.
+    Inside a metric (`strict`: `cast_to_dict`) that error scores the field 0, as there; in the
+    response parsers MEGA-Bench's evaluator would crash, so there the span is skipped instead."""
     import regex
+
+    errors: tuple[type[BaseException], ...] = (SyntaxError, ValueError)
+    json_errors: tuple[type[BaseException], ...] = (json.JSONDecodeError,)
+    if not strict:
+        errors += (TypeError, MemoryError, RecursionError)
+        json_errors += (RecursionError,)
 
     found: list[Any] = []
     span = span.replace('\\"', "__DOUBLE_QUOTE__").replace("\\'", "__SINGLE_QUOTE__")
@@ -191,30 +209,31 @@ def _span_values(span: str) -> list[Any]:
         inner = literal[1:-1].replace("__DOUBLE_QUOTE__", '"').replace("__SINGLE_QUOTE__", "'")
         try:
             nested = json.loads(inner)
-        except (json.JSONDecodeError, RecursionError):
+        except json_errors:
             continue
         if isinstance(nested, (dict, list)):
             span = span.replace(literal, json.dumps(nested))
     span = span.replace("__DOUBLE_QUOTE__", '\\"').replace("__SINGLE_QUOTE__", "\\'")
     try:
         found.append(json.loads(span))
-    except (json.JSONDecodeError, RecursionError):
+    except json_errors:
         try:
             found.append(json.loads(re.sub(r"(?<!\w)\'|\'(?!\w)", '"', span)))
-        except (json.JSONDecodeError, RecursionError):
+        except json_errors:
             pass
     for candidate in (span, span.replace('\\"', '\\\\"').replace("\\'", "\\\\'")):
         try:
             found.append(ast.literal_eval(candidate))
             break
-        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        except errors:
             continue
     return found
 
 
-def parse_json(response: str) -> Any:
+def parse_json(response: str, strict: bool = False) -> Any:
     """MEGA-Bench's `parse_json`: the last value read from a balanced span of the `Answer:` line
-    (or the whole response), else `[]` if that text starts with `[`, else `{}`."""
+    (or the whole response), else `[]` if that text starts with `[`, else `{}`. `strict`: let
+    the errors MEGA-Bench does not catch through (see `_span_values`)."""
     import regex
 
     text = _answer_line(response)
@@ -225,7 +244,7 @@ def parse_json(response: str) -> Any:
         spans = []
     values: list[Any] = []
     for span in spans:
-        values.extend(_span_values(span))
+        values.extend(_span_values(span, strict))
     if values:
         return values[-1]
     return [] if text.startswith("[") else {}
@@ -325,7 +344,7 @@ def cast_to_dict(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: cast_to_dict(v) for k, v in value.items()}
     if isinstance(value, str):
-        parsed = parse_json(value)
+        parsed = parse_json(value, strict=True)  # an error here scores the metric 0, as in MEGA-Bench
         return parsed if parsed else value
     return value
 
@@ -469,6 +488,8 @@ def normalized_rmse(response: Any, reference: Any, ctx: FieldContext | None = No
 
     try:
         squared = (ast.literal_eval(response) - ast.literal_eval(reference)) ** 2
+        if np.iscomplexobj(squared):  # `1j`: MEGA-Bench's aggregation raises on it; no credit
+            return 0.0
         return _clip_score(float(np.sqrt(squared)), 0.1)
     except Exception:  # noqa: BLE001 - the reference returns 0 for any error here
         return 0.0
@@ -483,7 +504,10 @@ def angle_seq_float_rmse(response: Any, reference: Any, ctx: FieldContext | None
         return 0.0
     try:
         with np.errstate(all="ignore"):
-            error = float(np.sqrt((np.array(pred) - np.array(gt)) ** 2).sum() / len(gt))
+            diff = np.array(pred) - np.array(gt)
+            if np.iscomplexobj(diff):  # as in normalized_rmse: an imaginary answer gets nothing
+                return 0.0
+            error = float(np.sqrt(diff**2).sum() / len(gt))
     except Exception:  # noqa: BLE001
         return 0.0
     score = _clip_score(error, 10.0) if not math.isnan(error) else math.nan
