@@ -248,8 +248,11 @@ def geneval_prompts(
 
 
 # --- drawing --------------------------------------------------------------------------------
-def draw(spec: ImageSpec, rng: np.random.Generator, size: int = 32) -> Image.Image:
-    """A drawing that satisfies `spec` (random placement, sizes and colour jitter from `rng`)."""
+def draw(spec: ImageSpec, rng: np.random.Generator, size: int = 32, scale: float = 1.0) -> Image.Image:
+    """A drawing that satisfies `spec` (random placement, sizes and colour jitter from `rng`).
+    `scale` multiplies the shapes' sizes (capped where they would no longer fit their cell or
+    their relation's margin); larger shapes span more of a patch-4 model's tokens, so their
+    outline is easier for a tiny model to draw and for the verifier to tell apart."""
     grey = int(rng.integers(226, 247))
     image = Image.new("RGB", (size, size), (grey, grey, grey))
     d = ImageDraw.Draw(image)
@@ -261,12 +264,12 @@ def draw(spec: ImageSpec, rng: np.random.Generator, size: int = 32) -> Image.Ima
         d.text((x, y), spec.text, fill=(20, 20, 20), font=font)
         return image
     if spec.relation is not None:
-        places = _relation_places(rng, size, spec.relation)
+        places = _relation_places(rng, size, spec.relation, scale)
         colours = [o.colour for o in spec.objects]
         shapes = [o.shape for o in spec.objects]
     else:
         o = spec.objects[0]
-        places = _cell_places(rng, size, o.count)
+        places = _cell_places(rng, size, o.count, scale)
         colours, shapes = [o.colour] * o.count, [o.shape] * o.count
     for (cx, cy, r), colour, shape in zip(places, colours, shapes):
         draw_shape(d, shape, cx, cy, r, _jitter(COLOURS[colour], rng))
@@ -289,16 +292,18 @@ def _jitter(rgb: tuple[int, int, int], rng: np.random.Generator, amount: int = 1
     return tuple(int(np.clip(c + rng.integers(-amount, amount + 1), 0, 255)) for c in rgb)
 
 
-def _cell_places(rng: np.random.Generator, size: int, n: int) -> list[tuple[float, float, float]]:
+def _cell_places(
+    rng: np.random.Generator, size: int, n: int, scale: float = 1.0
+) -> list[tuple[float, float, float]]:
     """`n` shapes in distinct cells of a 2x2 grid (one shape: anywhere, larger)."""
     if n == 1:
-        r = size * rng.uniform(0.16, 0.24)
+        r = min(size * rng.uniform(0.16, 0.24) * scale, size * 0.34)
         cx, cy = rng.uniform(r + 1, size - r - 1, size=2)
         return [(cx, cy, r)]
     cell = size / 2
     out = []
     for c in rng.permutation(4)[:n]:
-        r = cell * rng.uniform(0.28, 0.36)
+        r = min(cell * rng.uniform(0.28, 0.36) * scale, cell * 0.38)  # three stay under MAX_FOREGROUND
         slack = cell / 2 - r - 1
         cx = (c % 2 + 0.5) * cell + rng.uniform(-slack, slack)
         cy = (c // 2 + 0.5) * cell + rng.uniform(-slack, slack)
@@ -306,10 +311,12 @@ def _cell_places(rng: np.random.Generator, size: int, n: int) -> list[tuple[floa
     return out
 
 
-def _relation_places(rng: np.random.Generator, size: int, relation: str) -> list[tuple[float, float, float]]:
+def _relation_places(
+    rng: np.random.Generator, size: int, relation: str, scale: float = 1.0
+) -> list[tuple[float, float, float]]:
     """Two shapes, the first `relation` the second: apart along the relation's axis (a gap of at
     least two pixels between them), within a fifth of the image of each other across it."""
-    r1, r2 = (size * rng.uniform(0.13, 0.19) for _ in range(2))
+    r1, r2 = (min(size * rng.uniform(0.13, 0.19) * scale, (size - 4) / 4) for _ in range(2))
     gap = r1 + r2 + 2
     along1 = rng.uniform(r1 + 1, size - r2 - 1 - gap)
     along2 = rng.uniform(along1 + gap, size - r2 - 1)

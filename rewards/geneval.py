@@ -6,7 +6,8 @@ an object prompt ("two red circles", "a blue square left of a green triangle") i
 and position, times `clean`), a text prompt (`the text "cat"`) by the OCR reward (`ocr`, built
 on first use: rapidocr loads its models then). Components: `correct` (GenEval's strict verdict;
 the OCR reward's exact match for text), and the verifier's `colour`, `count`, `shape`,
-`position`, `clean` (1 for text prompts).
+`position`, `clean` (NaN for text prompts: they do not apply there, and a 1 would inflate a
+mixed batch's means of them; average them with `nanmean`).
 
 It runs on the host (image analysis in NumPy), whatever device it is configured with. A prompt
 outside the grammar is a `RewardModelError` naming it (the trainer counts the batch as failed
@@ -64,7 +65,8 @@ class GenEvalReward(RewardModel):
                 raise RewardModelError(f"geneval: prompt {i}: {exc}") from None
         pil = as_pil_images(images)
         scores: list[float] = [0.0] * len(pil)
-        parts: dict[str, list[float]] = {k: [1.0] * len(pil) for k in PARTS}
+        # the object attributes do not apply to text prompts: NaN there, not a free 1.0
+        parts: dict[str, list[float]] = {k: [float("nan")] * len(pil) for k in PARTS}
         text_rows = [i for i, s in enumerate(specs) if s.text is not None]
         for i, (image, spec) in enumerate(zip(pil, specs)):
             if spec.text is not None:

@@ -81,6 +81,37 @@ def test_unknown_keys_wrong_types_and_bad_combinations_are_named():
         load_flow_config("text_to_image", overrides=["lonely"])
 
 
+def test_lr_warm_up_is_linear_then_constant_and_logged(cache):
+    from mmrl.train.flow_grpo import learning_rate
+
+    cfg = _cfg(cache, "optim.lr=1e-3", "optim.warmup_steps=4")
+    assert [learning_rate(cfg, n) for n in range(6)] == pytest.approx(
+        [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3]
+    )
+    assert learning_rate(_cfg(cache, "optim.lr=1e-3"), 0) == 1e-3  # 0: constant from the start
+    t = _trainee(cfg)
+    m = flow_grpo_step(cfg, t, ["a red cat", "a blue car"], step=1)
+    assert t.updates == 2 and m["actor/lr"] == pytest.approx(5e-4)  # the second optimizer step's
+    with pytest.raises(ValueError, match="warmup_steps"):
+        load_flow_config("text_to_image", overrides=["optim.warmup_steps=-1"])
+
+
+def test_geneval_prompt_kinds_choose_the_training_and_held_out_prompts():
+    from mmrl.datasets.geneval import parse_prompt
+    from mmrl.train.flow_grpo import load_prompts
+
+    assert FlowConfig().data.kinds == ["single", "count", "position"]  # the field's default
+    cfg = load_flow_config("text_to_image_geneval", overrides=["trainer.eval_size=12"])
+    train, heldout = load_prompts(cfg)
+    assert {parse_prompt(p).kind for p in train} == {"single"} == {parse_prompt(p).kind for p in heldout}
+    cfg = load_flow_config(
+        "text_to_image_geneval", overrides=["data.kinds=[single,count]", "trainer.eval_size=12"]
+    )
+    train, heldout = load_prompts(cfg)
+    assert {parse_prompt(p).kind for p in train} == {"single", "count"}
+    assert [parse_prompt(p).kind for p in heldout] == ["single", "count"] * 6
+
+
 # --- one step ------------------------------------------------------------------------------
 @pytest.mark.parametrize("old_logprobs", ["rollout", "recompute"])
 def test_first_on_policy_update_has_ratio_exactly_one_and_kl_is_logged(cache, old_logprobs):
@@ -338,3 +369,36 @@ def test_lora_pipeline_is_saved_merged_and_reloads_with_the_trained_weights(cach
         torch.testing.assert_close(
             t.sampler.velocity(loaded, x, ts, cond, 1.0), trained, rtol=1e-4, atol=1e-5
         )
+
+
+@pytest.mark.slow
+def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(tmp_path):
+    """The `text_to_image_geneval` recipe (its warm-up included, ~3 min, in a fresh cache),
+    shortened to 30 RL steps and 96 held-out prompts: the held-out partial-credit GenEval score
+    (`eval/geneval/score`, the reward being optimised, ODE sampler, EMA weights) must rise.
+
+    Measured on the 2-core machine (one torch thread): held-out score at step 0 -> 30 was
+    0.675 -> 0.737 (seed 0, 96 prompts), 0.684 -> 0.766 (seed 1, 96 prompts), 0.672 -> 0.729
+    and 0.669 -> 0.736 (seeds 0 and 1, 288 prompts): +0.057 to +0.082; the bar is about half of
+    the smallest. Strict
+    accuracy is not asserted: over the same runs it moved 29.2 -> 38.5, 43.8 -> 42.7 and
+    33.0 -> 35.4 %, within the evaluation's own noise (the same base scores 29.2 % or 43.8 %
+    on 96 prompts depending only on the evaluation seed)."""
+    cfg = load_flow_config(
+        "text_to_image_geneval",
+        overrides=[
+            f"model.cache_dir={tmp_path / 'cache'}",
+            "trainer.total_steps=30",
+            "trainer.eval_every=0",
+            "trainer.eval_size=96",
+            "trainer.threads=1",
+            "trainer.progress=false",
+            "trainer.save_final=false",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    result = run_text_to_image(cfg)
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    scores = {r["step"]: r["eval/geneval/score"] for r in records if "eval/geneval/score" in r}
+    assert sorted(scores) == [0, 30]
+    assert scores[30] > scores[0] + 0.03, scores

@@ -102,6 +102,19 @@ def test_every_drawing_satisfies_its_spec(size):
         assert result["correct"] == 1.0 and result["accuracy"] == 1.0, (prompt_text(spec), result)
 
 
+@pytest.mark.parametrize("scale", [1.4, 2.0])
+def test_larger_drawings_still_satisfy_their_specs(scale):
+    """`draw(..., scale)` (the image base's `object_scale`): larger shapes, capped so that counts
+    keep their cells, relations their margin and the foreground its limit; 1.0 is the default."""
+    rng = np.random.default_rng(7)
+    for spec in all_specs():
+        result = check_spec(spec, analyse(draw(spec, rng, 32, scale)))
+        assert result["correct"] == 1.0 and result["accuracy"] == 1.0, (prompt_text(spec), scale, result)
+    single = parse_prompt("a red square")
+    area = [analyse(draw(single, np.random.default_rng(0), 32, k)).objects[0].area for k in (1.0, scale)]
+    assert area[1] > 1.5 * area[0]
+
+
 # --- hand-worked credit --------------------------------------------------------------------------
 def test_partial_credit_per_attribute():
     image, d = _canvas()
@@ -236,3 +249,23 @@ def test_registered_verifier_scores_and_checks_samples():
         with pytest.raises(SampleFieldError, match=problem) as err:
             verifier.check_sample(_sample(gt, images))
         assert err.value.field == field
+
+
+def test_text_prompts_get_no_free_attribute_credit_from_the_reward():
+    """A text prompt's object attributes do not apply: NaN (not 1.0, which would inflate a mixed
+    batch's mean colour / count / shape / position / clean); its `correct` is the OCR's match."""
+    from mmrl.rewards import get_reward_model
+    from mmrl.rewards.base import RewardOutput
+
+    class FakeOcr:
+        def score_with_components(self, images, texts):
+            return RewardOutput(scores=[1.0] * len(texts))
+
+    reward = get_reward_model("geneval")
+    reward._ocr = FakeOcr()
+    spec = parse_prompt("a red circle")
+    image = draw(spec, np.random.default_rng(0), 32)
+    out = reward.score_with_components(images=[image, image], prompts=["a red circle", 'the text "cat"'])
+    assert out.scores == [1.0, 1.0] and out.components["correct"] == [1.0, 1.0]
+    for part in ("colour", "count", "shape", "position", "clean"):
+        assert out.components[part][0] == 1.0 and np.isnan(out.components[part][1]), part

@@ -71,14 +71,21 @@ class ImageWarmupConfig:
     """Prompt kinds drawn (`mmrl.datasets.geneval.KINDS`; `text` needs more pixels than 32)."""
     seed: int = 0
     """Seed of the random initialisation, the drawings, the noise and the data order."""
+    object_scale: float = 1.0
+    """Size of the drawn shapes relative to `mmrl.datasets.geneval.draw`'s (capped where they
+    would not fit): larger shapes span more of the patch-4 transformer's tokens, so a short
+    warm-up draws outlines the verifier can tell apart."""
 
 
 def image_base_key(spec: TinyDiffusionSpec, warmup: ImageWarmupConfig, max_sequence_length: int) -> str:
     """Hash of everything that determines the built-in image base."""
+    warm = asdict(warmup)
+    if warm["object_scale"] == 1.0:  # the drawings of before the field: the keys of before
+        del warm["object_scale"]
     raw = {
         "version": IMAGE_BASE_VERSION,
         "tiny": asdict(spec),
-        "warmup": asdict(warmup),
+        "warmup": warm,
         "max_sequence_length": max_sequence_length,
     }
     return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
@@ -194,7 +201,9 @@ def warm_up_image_base(
         # 1. A batch of drawings of training prompts (kinds equally likely).
         picked = rng.choice(len(kinds), size=w.batch_size)
         prompts = [train[kinds[k]][rng.integers(len(train[kinds[k]]))] for k in picked]
-        images = np.stack([np.asarray(draw(parse_prompt(p), rng, spec.resolution)) for p in prompts])
+        images = np.stack(
+            [np.asarray(draw(parse_prompt(p), rng, spec.resolution, w.object_scale)) for p in prompts]
+        )
         latents = drawings_to_latents(pipe, images, device)
         shown = ["" if rng.random() < w.cond_dropout else p for p in prompts]
         # 2. Rectified-flow loss at logit-normal sigmas, shifted as the scheduler shifts.

@@ -79,6 +79,9 @@ class FlowDataConfig:
     split)."""
     prompt_file: str | None = None
     """Text file of training prompts, one per line."""
+    kinds: list[str] = field(default_factory=lambda: ["single", "count", "position"])
+    """`builtin=geneval`: the prompt kinds trained and evaluated on (`mmrl.datasets.geneval.KINDS`;
+    the train split and the held-out prompts of these kinds, interleaved)."""
     eval_prompts: list[str] = field(default_factory=list)
     """Evaluation prompts; empty: the built-in set's held-out prompts. When every one is a
     GenEval-style prompt, evaluations also log `eval/geneval/accuracy` (whatever the reward)."""
@@ -189,6 +192,12 @@ class FlowOptimConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0: off)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over the first N optimizer steps (lr x (n + 1) / N at the
+    n-th), then constant; 0: constant from the start. Adam's first steps move every weight by
+    ~lr whatever the gradient's size (its second moment is still one sample): with full
+    fine-tuning on a policy gradient that is mostly noise, that first move alone can wreck the
+    base."""
 
 
 @dataclass
@@ -282,6 +291,7 @@ class FlowConfig:
             (self.model.warmup.max_steps >= 1, "model.warmup.max_steps must be >= 1"),
             (self.model.warmup.eval_every >= 1, "model.warmup.eval_every must be >= 1"),
             (0 <= self.model.warmup.cond_dropout < 1, "model.warmup.cond_dropout must be in [0, 1)"),
+            (self.model.warmup.object_scale > 0, "model.warmup.object_scale must be > 0"),
             (
                 self.model.dtype in ("auto", "float32", "bfloat16", "float16"),
                 "model.dtype must be auto, float32, bfloat16 or float16",
@@ -311,6 +321,7 @@ class FlowConfig:
                 "(the rollout's log-probs are the guided policy's)",
             ),
             (self.lora.rank >= 1, "lora.rank must be >= 1"),
+            (self.optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
             (t.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
             (
                 t.mini_batches >= 1 and t.inner_epochs >= 1,

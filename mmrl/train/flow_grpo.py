@@ -674,6 +674,8 @@ def update_policy(
             clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(t.params, clip)
             if torch.isfinite(grad_norm):
+                for group in t.optimizer.param_groups:
+                    group["lr"] = learning_rate(cfg, t.updates)
                 t.optimizer.step()
                 t.updates += 1
                 if t.ema is not None and t.updates % cfg.trainer.ema_every == 0:
@@ -692,6 +694,13 @@ def update_policy(
     metrics["actor/skipped_steps"] = float(skipped)
     metrics["actor/lr"] = t.optimizer.param_groups[0]["lr"]
     return metrics
+
+
+def learning_rate(cfg: FlowConfig, updates: int) -> float:
+    """The learning rate of optimizer step `updates` (0-based): `optim.lr` after a linear
+    warm-up over `optim.warmup_steps` steps."""
+    warmup = cfg.optim.warmup_steps
+    return cfg.optim.lr * min(1.0, (updates + 1) / warmup) if warmup > 0 else cfg.optim.lr
 
 
 @torch.no_grad()
@@ -815,14 +824,16 @@ def load_prompts(cfg: FlowConfig) -> tuple[list[str], list[str]]:
     elif d.prompt_file:
         train = read_prompt_file(d.prompt_file)
     else:
-        train = geneval_prompts("train") if geneval else builtin_prompts("train")
+        train = geneval_prompts("train", tuple(d.kinds)) if geneval else builtin_prompts("train")
     if any(not isinstance(p, str) or not p.strip() for p in train):
         raise ValueError("data.prompts: every prompt must be a non-empty string")
     if d.eval_prompts:
         eval_prompts = list(d.eval_prompts)
     else:
         eval_prompts = (
-            geneval_prompts("heldout", n=cfg.trainer.eval_size) if geneval else builtin_prompts("eval")
+            geneval_prompts("heldout", tuple(d.kinds), n=cfg.trainer.eval_size)
+            if geneval
+            else builtin_prompts("eval")
         )
     return train, eval_prompts[: cfg.trainer.eval_size]
 
