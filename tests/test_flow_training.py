@@ -110,6 +110,10 @@ def test_geneval_prompt_kinds_choose_the_training_and_held_out_prompts():
     train, heldout = load_prompts(cfg)
     assert {parse_prompt(p).kind for p in train} == {"single", "count"}
     assert [parse_prompt(p).kind for p in heldout] == ["single", "count"] * 6
+    with pytest.raises(ValueError, match=r"data.kinds must be a non-empty list .* got \['bogus'\]"):
+        load_flow_config("text_to_image_geneval", overrides=["data.kinds=[bogus]"])
+    with pytest.raises(ValueError, match="data.kinds"):
+        load_flow_config("text_to_image_geneval", overrides=["data.kinds=[]"])
 
 
 # --- one step ------------------------------------------------------------------------------
@@ -380,9 +384,8 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(tmp_path):
     Measured on the 2-core machine (one torch thread): held-out score at step 0 -> 30 was
     0.675 -> 0.737 (seed 0, 96 prompts), 0.684 -> 0.766 (seed 1, 96 prompts), 0.672 -> 0.729
     and 0.669 -> 0.736 (seeds 0 and 1, 288 prompts): +0.057 to +0.082; the bar is about half of
-    the smallest. Strict
-    accuracy is not asserted: over the same runs it moved 29.2 -> 38.5, 43.8 -> 42.7 and
-    33.0 -> 35.4 %, within the evaluation's own noise (the same base scores 29.2 % or 43.8 %
+    the smallest. Strict accuracy is not asserted: over the same runs it moved 29.2 -> 38.5,
+    43.8 -> 42.7 and 33.0 -> 35.4 %, within the evaluation's own noise (the same base scores 29.2 % or 43.8 %
     on 96 prompts depending only on the evaluation seed)."""
     cfg = load_flow_config(
         "text_to_image_geneval",

@@ -278,6 +278,8 @@ class FlowConfig:
     """Loop, evaluation, EMA, run directory."""
 
     def __post_init__(self) -> None:
+        from mmrl.datasets.geneval import KINDS as GENEVAL_KINDS
+
         s, a, t, r = self.sample, self.algo, self.trainer, self.reward
         checks = [
             (self.kind == "diffusion", "kind must be diffusion"),
@@ -288,6 +290,10 @@ class FlowConfig:
                 "model.base=geneval is an SD3 pipeline: model.tiny.family must be sd3 (or model.base=random)",
             ),
             (self.data.builtin in ("scenes", "geneval"), "data.builtin must be scenes or geneval"),
+            (
+                bool(self.data.kinds) and all(k in GENEVAL_KINDS for k in self.data.kinds),
+                f"data.kinds must be a non-empty list of {list(GENEVAL_KINDS)}, got {list(self.data.kinds)}",
+            ),
             (self.model.warmup.max_steps >= 1, "model.warmup.max_steps must be >= 1"),
             (self.model.warmup.eval_every >= 1, "model.warmup.eval_every must be >= 1"),
             (0 <= self.model.warmup.cond_dropout < 1, "model.warmup.cond_dropout must be in [0, 1)"),
