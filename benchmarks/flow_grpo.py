@@ -1,9 +1,9 @@
 """Flow-GRPO costs on a text-to-image recipe (built-in tiny SD3), side by side.
 
-    python benchmarks/flow_grpo.py [--task text_to_image] [--repeats 20] [--train-steps 10] [key=value ...]
+    python benchmarks/flow_grpo.py [--task text_to_image_jpeg] [--repeats 20] [--train-steps 10] [key=value ...]
 
-`--task text_to_image` (the default here): the random 64 x 64 tiny SD3 with a 16-channel
-latent VAE; `--task text_to_image_geneval`: the built-in image base (32 x 32, pixel space; warmed up first
+`--task text_to_image_jpeg` (the default here): the random 64 x 64 tiny SD3 with a 16-channel
+latent VAE; `--task text_to_image`: the built-in image base (32 x 32, pixel space; warmed up first
 if it is not in the cache yet).
 
 1. Sampling: the SDE sampler with log-probs at every step (`FlowSampler.sample`) against the
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per measurement")
     parser.add_argument("--train-steps", type=int, default=10, help="flow-GRPO steps timed for throughput")
     parser.add_argument("--model", help="local diffusers pipeline folder (default: the built-in tiny SD3)")
-    parser.add_argument("--task", default="text_to_image", help="the diffusion recipe")
+    parser.add_argument("--task", default="text_to_image_jpeg", help="the diffusion recipe")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     overrides = list(args.overrides) + (["model.path=" + args.model] if args.model else [])

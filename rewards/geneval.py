@@ -30,7 +30,7 @@ from mmrl.rewards.base import (
     register_reward_model,
 )
 
-PARTS = ("correct", "colour", "count", "shape", "position", "clean")
+PARTS = ("correct", "colour", "count", "shape", "shape_fit", "position", "clean")
 
 
 @register_reward_model("geneval")
@@ -40,10 +40,16 @@ class GenEvalReward(RewardModel):
     requires = ("images", "prompts")
     cpu_only = True
 
-    def __init__(self, strict: bool = False, device: str | torch.device = "cpu"):
-        """`strict`: the reward is GenEval's 0/1 `correct` instead of the partial credit."""
+    def __init__(self, strict: bool = False, shape_fit: float = 0.0, device: str | torch.device = "cpu"):
+        """`strict`: the reward is GenEval's 0/1 `correct` instead of the partial credit.
+        `shape_fit`: add this weight times the graded `shape_fit` (times `clean`) to an object
+        prompt's score, so that a blob a little closer to the asked shape scores a little more
+        even while the verdict is still wrong (the verdict and `correct` are unchanged)."""
         super().__init__("cpu")
+        if shape_fit < 0:
+            raise ValueError(f"geneval: shape_fit must be >= 0, got {shape_fit}")
         self.strict = strict
+        self.shape_fit = float(shape_fit)
         self._ocr = None
 
     def score_with_components(
@@ -73,6 +79,7 @@ class GenEvalReward(RewardModel):
                 continue
             found = check_spec(spec, analyse(image))
             scores[i] = found["correct"] if self.strict else found["accuracy"]
+            scores[i] += self.shape_fit * found["shape_fit"] * found["clean"]
             for k in PARTS:
                 parts[k][i] = found[k]
         if text_rows:

@@ -154,7 +154,7 @@ def test_convert_coco_to_samples_that_train_can_read(tmp_path):
 
 def test_text_to_image_dispatches_to_flow_grpo(mmrl_cache, tmp_path):
     run_dir = tmp_path / "t2i"
-    out = mmrl("train", "--task", "text_to_image", "trainer.total_steps=2", f"trainer.run_dir={run_dir}")
+    out = mmrl("train", "--task", "text_to_image_jpeg", "trainer.total_steps=2", f"trainer.run_dir={run_dir}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "eval reward" in out.stdout
     assert (run_dir / "metrics.jsonl").exists() and list((run_dir / "images").glob("*.png"))

@@ -91,7 +91,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _train(args: list[str], kill: str = "none:0") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", DRIVER, "train", "--task", "text_to_image", *args],
+        [sys.executable, "-c", DRIVER, "train", "--task", "text_to_image_jpeg", *args],
         env=_env(MMRL_TEST_KILL=kill),
         capture_output=True,
         text=True,
@@ -177,7 +177,7 @@ def test_sigterm_to_the_process_group_checkpoints_exits_cleanly_and_resumes_exac
             "mmrl.cli",
             "train",
             "--task",
-            "text_to_image",
+            "text_to_image_jpeg",
             *args,
             f"trainer.run_dir={run}",
         ],
@@ -214,7 +214,7 @@ def test_sigterm_to_the_process_group_checkpoints_exits_cleanly_and_resumes_exac
 # --- in-process checks ---------------------------------------------------------------------
 def _cfg(tmp_path: Path, run: str, *overrides: str):
     return load_flow_config(
-        "text_to_image",
+        "text_to_image_jpeg",
         overrides=[
             *TINY,
             f"model.cache_dir={tmp_path / 'cache'}",

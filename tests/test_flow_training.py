@@ -37,7 +37,7 @@ def cache(tmp_path_factory) -> str:
 
 
 def _cfg(cache: str, *overrides: str) -> FlowConfig:
-    return load_flow_config("text_to_image", overrides=[*FAST, f"model.cache_dir={cache}", *overrides])
+    return load_flow_config("text_to_image_jpeg", overrides=[*FAST, f"model.cache_dir={cache}", *overrides])
 
 
 def _trainee(cfg: FlowConfig):
@@ -48,24 +48,24 @@ def _trainee(cfg: FlowConfig):
 
 # --- configuration -------------------------------------------------------------------------
 def test_recipe_loads_and_overrides_apply_on_top(tmp_path):
-    cfg = load_flow_config("text_to_image")
+    cfg = load_flow_config("text_to_image_jpeg")
     assert isinstance(cfg, FlowConfig) and cfg.kind == "diffusion"
     assert cfg.reward.names == ["jpeg_compressibility"] and cfg.sample.resolution == 64
     extra = tmp_path / "extra.yaml"
     extra.write_text("sample:\n  group_size: 4\noptim:\n  lr: 1.0e-4\n")
     cfg = load_flow_config(
-        "text_to_image", extra, ["optim.lr=5e-5", "reward.names=[a,b]", "reward.weights=[1,2]"]
+        "text_to_image_jpeg", extra, ["optim.lr=5e-5", "reward.names=[a,b]", "reward.weights=[1,2]"]
     )
     assert cfg.sample.group_size == 4 and cfg.optim.lr == 5e-5 and cfg.reward.weights == [1.0, 2.0]
-    assert is_diffusion_task("text_to_image") and not is_diffusion_task("vision_reasoning")
+    assert is_diffusion_task("text_to_image_jpeg") and not is_diffusion_task("vision_reasoning")
     assert not is_diffusion_task("no_such_task")
 
 
 def test_unknown_keys_wrong_types_and_bad_combinations_are_named():
     with pytest.raises(ConfigKeyError, match="totl_steps"):
-        load_flow_config("text_to_image", overrides=["trainer.totl_steps=3"])
+        load_flow_config("text_to_image_jpeg", overrides=["trainer.totl_steps=3"])
     with pytest.raises(ValidationError, match="group_size"):
-        load_flow_config("text_to_image", overrides=["sample.group_size=many"])
+        load_flow_config("text_to_image_jpeg", overrides=["sample.group_size=many"])
     for override, message in [
         ("trainer.mini_batches=3", "mini_batches must divide"),
         ("sample.sde_type=ode", "sde_type"),
@@ -76,9 +76,9 @@ def test_unknown_keys_wrong_types_and_bad_combinations_are_named():
         ("sample.guidance_scale=3 algo.train_cfg=false", "needs algo.old_logprobs=recompute"),
     ]:
         with pytest.raises(ValueError, match=message):
-            load_flow_config("text_to_image", overrides=override.split())
+            load_flow_config("text_to_image_jpeg", overrides=override.split())
     with pytest.raises(ValueError, match="key=value"):
-        load_flow_config("text_to_image", overrides=["lonely"])
+        load_flow_config("text_to_image_jpeg", overrides=["lonely"])
 
 
 def test_lr_warm_up_is_linear_then_constant_and_logged(cache):
@@ -93,7 +93,7 @@ def test_lr_warm_up_is_linear_then_constant_and_logged(cache):
     m = flow_grpo_step(cfg, t, ["a red cat", "a blue car"], step=1)
     assert t.updates == 2 and m["actor/lr"] == pytest.approx(5e-4)  # the second optimizer step's
     with pytest.raises(ValueError, match="warmup_steps"):
-        load_flow_config("text_to_image", overrides=["optim.warmup_steps=-1"])
+        load_flow_config("text_to_image_jpeg", overrides=["optim.warmup_steps=-1"])
 
 
 def test_geneval_prompt_kinds_choose_the_training_and_held_out_prompts():
@@ -101,19 +101,17 @@ def test_geneval_prompt_kinds_choose_the_training_and_held_out_prompts():
     from mmrl.train.flow_grpo import load_prompts
 
     assert FlowConfig().data.kinds == ["single", "count", "position"]  # the field's default
-    cfg = load_flow_config("text_to_image_geneval", overrides=["trainer.eval_size=12"])
+    cfg = load_flow_config("text_to_image", overrides=["trainer.eval_size=12"])
     train, heldout = load_prompts(cfg)
     assert {parse_prompt(p).kind for p in train} == {"single"} == {parse_prompt(p).kind for p in heldout}
-    cfg = load_flow_config(
-        "text_to_image_geneval", overrides=["data.kinds=[single,count]", "trainer.eval_size=12"]
-    )
+    cfg = load_flow_config("text_to_image", overrides=["data.kinds=[single,count]", "trainer.eval_size=12"])
     train, heldout = load_prompts(cfg)
     assert {parse_prompt(p).kind for p in train} == {"single", "count"}
     assert [parse_prompt(p).kind for p in heldout] == ["single", "count"] * 6
     with pytest.raises(ValueError, match=r"data.kinds must be a non-empty list .* got \['bogus'\]"):
-        load_flow_config("text_to_image_geneval", overrides=["data.kinds=[bogus]"])
+        load_flow_config("text_to_image", overrides=["data.kinds=[bogus]"])
     with pytest.raises(ValueError, match="data.kinds"):
-        load_flow_config("text_to_image_geneval", overrides=["data.kinds=[]"])
+        load_flow_config("text_to_image", overrides=["data.kinds=[]"])
 
 
 # --- one step ------------------------------------------------------------------------------
@@ -334,7 +332,7 @@ def test_jpeg_compressibility_rises_while_kl_stays_finite(cache, tmp_path):
     +0.15; train reward (first vs last 5 steps) +0.14 / +0.11 / +0.13. The bar is half of that."""
     run = tmp_path / "learn"
     cfg = load_flow_config(
-        "text_to_image",
+        "text_to_image_jpeg",
         overrides=[
             f"model.cache_dir={cache}",
             "trainer.total_steps=40",
@@ -377,7 +375,7 @@ def test_lora_pipeline_is_saved_merged_and_reloads_with_the_trained_weights(cach
 
 @pytest.mark.slow
 def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(tmp_path):
-    """The `text_to_image_geneval` recipe (its warm-up included, ~3 min, in a fresh cache),
+    """The `text_to_image` recipe (its warm-up included, ~3 min, in a fresh cache),
     shortened to 30 RL steps and 96 held-out prompts: the held-out partial-credit GenEval score
     (`eval/geneval/score`, the reward being optimised, ODE sampler, EMA weights) must rise.
 
@@ -388,7 +386,7 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(tmp_path):
     43.8 -> 42.7 and 33.0 -> 35.4 %, within the evaluation's own noise (the same base scores 29.2 % or 43.8 %
     on 96 prompts depending only on the evaluation seed)."""
     cfg = load_flow_config(
-        "text_to_image_geneval",
+        "text_to_image",
         overrides=[
             f"model.cache_dir={tmp_path / 'cache'}",
             "trainer.total_steps=30",
@@ -405,3 +403,23 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(tmp_path):
     scores = {r["step"]: r["eval/geneval/score"] for r in records if "eval/geneval/score" in r}
     assert sorted(scores) == [0, 30]
     assert scores[30] > scores[0] + 0.03, scores
+
+
+def test_reward_components_are_averaged_for_the_log():
+    """`reward/<name>/<component>`: NaN (not applicable) left out, the score itself, non-numbers
+    and lists of the wrong length skipped, a component NaN throughout not logged."""
+    from mmrl.train.flow_grpo import component_means
+
+    nan = float("nan")
+    parts = {
+        "colour": [1.0, 0.0, nan],
+        "shape": [nan, nan, nan],
+        "geneval": [0.2, 0.4, 0.6],
+        "label": ["a", "b", "c"],
+        "short": [1.0],
+        "objects": [1, 2, 6],
+    }
+    assert component_means("geneval", parts, 3) == {
+        "reward/geneval/colour": 0.5,
+        "reward/geneval/objects": 3.0,
+    }

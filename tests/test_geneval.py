@@ -150,6 +150,57 @@ def test_shapes_are_told_apart():
         assert (obj.colour, obj.shape) == ("green", shape)
 
 
+def test_shape_fit_grades_blobs_toward_the_asked_shape():
+    """`shape_fit` is the IoU with the ideal shape in the object's box: 1 for a full box asked
+    to be a square; a disc asked to be a square scores its share of the box (~pi / 4); a disc
+    with its corners filled in scores more as a square and less as a circle."""
+    image, d = _canvas(64)
+    draw_shape(d, "square", 32, 32, 14, COLOURS["red"])
+    r = _check("a red square", image)
+    assert r["shape_fit"] == 1.0 and r["correct"] == 1.0
+    image, d = _canvas(64)
+    draw_shape(d, "circle", 32, 32, 14, COLOURS["red"])
+    (disc,) = analyse(image).objects
+    assert disc.fit["square"] == pytest.approx(disc.area / 29**2)
+    assert disc.fit["square"] == pytest.approx(np.pi / 4, abs=0.03) and disc.fit["circle"] > 0.95
+    assert _check("a red square", image)["shape_fit"] == pytest.approx(disc.fit["square"])
+    for cx, cy in ((21, 21), (43, 21), (21, 43), (43, 43)):  # fill the corners in (inside the box)
+        d.rectangle([cx - 3, cy - 3, cx + 3, cy + 3], fill=COLOURS["red"])
+    (squarer,) = analyse(image).objects
+    assert squarer.fit["square"] > disc.fit["square"] and squarer.fit["circle"] < disc.fit["circle"]
+    # an up-pointing triangle fits `triangle`; the same drawn upside down does not
+    image, d = _canvas(64)
+    d.polygon([(18, 46), (46, 46), (32, 18)], fill=COLOURS["red"])
+    assert _check("a red triangle", image)["shape_fit"] > 0.9
+    image, d = _canvas(64)
+    d.polygon([(18, 18), (46, 18), (32, 46)], fill=COLOURS["red"])
+    assert _check("a red triangle", image)["shape_fit"] < 0.4
+
+
+def test_shape_fit_counts_like_shape_and_is_zero_without_the_colour():
+    image, d = _canvas()
+    draw_shape(d, "square", 8, 8, 5, COLOURS["red"])
+    r = _check("two red squares", image)  # one of two asked for: best fits / max(2, 1)
+    assert r["shape_fit"] == pytest.approx(0.5)
+    assert _check("a blue square", image)["shape_fit"] == 0.0
+
+
+def test_the_reward_adds_the_weighted_shape_fit():
+    from mmrl.rewards import get_reward_model
+
+    image, d = _canvas(64)
+    draw_shape(d, "circle", 32, 32, 14, COLOURS["red"])
+    plain = get_reward_model("geneval").score_with_components(images=[image], prompts=["a red square"])
+    graded = get_reward_model("geneval", shape_fit=2.0).score_with_components(
+        images=[image], prompts=["a red square"]
+    )
+    fit = plain.components["shape_fit"][0]
+    assert plain.scores[0] == pytest.approx(2 / 3)  # colour and count, not the shape
+    assert graded.scores[0] == pytest.approx(2 / 3 + 2.0 * fit) and graded.components["correct"] == [0.0]
+    with pytest.raises(ValueError, match="shape_fit"):
+        get_reward_model("geneval", shape_fit=-1.0)
+
+
 def _box(x0, y0, x1, y1) -> DetectedObject:
     return DetectedObject("red", "square", 1, (x0, y0, x1, y1), (0.0, 0.0))
 
@@ -267,5 +318,5 @@ def test_text_prompts_get_no_free_attribute_credit_from_the_reward():
     image = draw(spec, np.random.default_rng(0), 32)
     out = reward.score_with_components(images=[image, image], prompts=["a red circle", 'the text "cat"'])
     assert out.scores == [1.0, 1.0] and out.components["correct"] == [1.0, 1.0]
-    for part in ("colour", "count", "shape", "position", "clean"):
+    for part in ("colour", "count", "shape", "shape_fit", "position", "clean"):
         assert out.components[part][0] == 1.0 and np.isnan(out.components[part][1]), part

@@ -496,7 +496,9 @@ def _flow_trainee(cache: str, *overrides: str):
     from mmrl.train.flow_config import load_flow_config
     from mmrl.train.flow_grpo import flow_precision, make_flow_trainee
 
-    cfg = load_flow_config("text_to_image", overrides=[*FLOW_FAST, f"model.cache_dir={cache}", *overrides])
+    cfg = load_flow_config(
+        "text_to_image_jpeg", overrides=[*FLOW_FAST, f"model.cache_dir={cache}", *overrides]
+    )
     path = builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
     pipe = load_flow_pipeline(path, flow_precision(cfg).compute)
     return cfg, make_flow_trainee(cfg, pipe)
@@ -652,7 +654,7 @@ def test_flow_reward_models_are_built_on_the_pipelines_device(monkeypatch):
     calls = []
     monkeypatch.setattr(rewards_pkg, "get_reward_model", lambda name, **kw: calls.append((name, kw)) or name)
     cfg = load_flow_config(
-        "text_to_image",
+        "text_to_image_jpeg",
         overrides=["reward.names=[jpeg_compressibility,aesthetic]", "reward.weights=[1.0,1.0]"],
     )
     cfg.reward.kwargs = {"aesthetic": {"device": "cpu", "dtype": "bfloat16"}}

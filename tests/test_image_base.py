@@ -1,7 +1,7 @@
 """The built-in image base and the GenEval-style reward, without training anything for long:
 the pixel "VAE" is exact, the word tokenizer covers the grammar, the flow-matching loss is the
 formula, the warm-up is reproducible by seed and cached, the `geneval` reward scores drawings,
-and `mmrl train --task text_to_image_geneval`'s path (warm-up, reward, held-out accuracy, grids) runs."""
+and `mmrl train --task text_to_image`'s path (warm-up, reward, held-out accuracy, grids) runs."""
 
 from __future__ import annotations
 
@@ -26,18 +26,18 @@ from mmrl.rewards.base import RewardModelError
 from mmrl.train.flow_config import load_flow_config
 from mmrl.verifiers.geneval import prompt_following
 
-SPEC = load_flow_config("text_to_image_geneval").model.tiny
+SPEC = load_flow_config("text_to_image").model.tiny
 QUICK = ImageWarmupConfig(max_steps=2, batch_size=4, eval_every=1, eval_size=3, eval_num_steps=2)
 
 
 def test_the_recipe_is_the_image_base_with_the_geneval_reward():
-    cfg = load_flow_config("text_to_image_geneval")
+    cfg = load_flow_config("text_to_image")
     assert cfg.model.base == "geneval" and cfg.reward.names == ["geneval"] and cfg.data.builtin == "geneval"
     assert (SPEC.vae, SPEC.tokenizer, SPEC.resolution) == ("pixel", "words", 32)
     with pytest.raises(ValueError, match="model.base must be random or geneval"):
-        load_flow_config("text_to_image_geneval", overrides=["model.base=pretrained"])
+        load_flow_config("text_to_image", overrides=["model.base=pretrained"])
     with pytest.raises(ValueError, match="must be sd3"):
-        load_flow_config("text_to_image_geneval", overrides=["model.tiny.family=flux"])
+        load_flow_config("text_to_image", overrides=["model.tiny.family=flux"])
 
 
 def test_the_pixel_vae_is_the_identity():
@@ -130,7 +130,7 @@ def test_text_to_image_trains_the_image_base_and_reports_heldout_accuracy(tmp_pa
 
     quick = [f"model.warmup.{k}={v}" for k, v in QUICK.__dict__.items() if k != "kinds"]
     cfg = load_flow_config(
-        "text_to_image_geneval",
+        "text_to_image",
         overrides=[
             *quick,
             f"model.cache_dir={quick_cache}",  # the base of the test above
@@ -150,7 +150,12 @@ def test_text_to_image_trains_the_image_base_and_reports_heldout_accuracy(tmp_pa
     assert "held-out GenEval accuracy" in result.summary_line()
     records = read_metrics(result.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records if "eval/geneval/accuracy" in r] == [0, 1]
-    assert "reward/geneval/mean" in next(r for r in records if r["step"] == 1)
+    step1 = next(r for r in records if r["step"] == 1)
+    assert "reward/geneval/mean" in step1
+    # each attribute's mean over the batch is logged (what RL is, and is not, improving)
+    for part in ("correct", "colour", "count", "shape", "shape_fit", "position", "clean"):
+        assert 0.0 <= step1[f"reward/geneval/{part}"] <= 1.0, part
+        assert f"eval/reward/geneval/{part}" in records[0], part
     assert sorted(p.name for p in (result.run_dir / "images").glob("*.png")) == [
         "eval_step_00000.png",
         "eval_step_00001.png",

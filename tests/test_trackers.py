@@ -240,7 +240,7 @@ def test_flow_grpo_logs_its_evaluation_grids_and_curves_as_media(tracker_env, tm
         f"trainer.run_dir={run_dir}",
     ]
     run_text_to_image(
-        load_flow_config("text_to_image", overrides=[*tiny, *_tracker_overrides(store, "flow")])
+        load_flow_config("text_to_image_jpeg", overrides=[*tiny, *_tracker_overrides(store, "flow")])
     )
     (folder,) = (run_dir / "wandb").glob("offline-run-*")
     run = _wandb_run(folder)
@@ -346,9 +346,9 @@ def test_a_resume_may_change_where_metrics_go_but_not_what_is_trained(tmp_path):
     check_resume_config(load_config("vision_reasoning", overrides=moved), tmp_path)
     with pytest.raises(ValueError, match="optim.lr"):
         check_resume_config(load_config("vision_reasoning", overrides=[*moved, "optim.lr=1e-3"]), tmp_path)
-    (tmp_path / "config.yaml").write_text(flow_config_to_yaml(load_flow_config("text_to_image")))
-    check_config_unchanged(load_flow_config("text_to_image", overrides=moved), tmp_path)
+    (tmp_path / "config.yaml").write_text(flow_config_to_yaml(load_flow_config("text_to_image_jpeg")))
+    check_config_unchanged(load_flow_config("text_to_image_jpeg", overrides=moved), tmp_path)
     with pytest.raises(ValueError, match="optim.lr"):
         check_config_unchanged(
-            load_flow_config("text_to_image", overrides=[*moved, "optim.lr=1e-3"]), tmp_path
+            load_flow_config("text_to_image_jpeg", overrides=[*moved, "optim.lr=1e-3"]), tmp_path
         )

@@ -34,7 +34,7 @@ scored by the OCR reward, not here (`mmrl.rewards.geneval` routes it). Component
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -77,6 +77,8 @@ class DetectedObject:
     area: int
     box: tuple[int, int, int, int]
     centroid: tuple[float, float]
+    fit: dict[str, float] = field(default_factory=dict)
+    """IoU of the region with each ideal shape drawn in its box (`shape_fits`)."""
 
 
 @dataclass
@@ -130,7 +132,12 @@ def analyse(image: Image.Image | np.ndarray) -> Analysis:
         shape = _shape(ys - y0, xs - x0, bw, bh, area)
         objects.append(
             DetectedObject(
-                _NAMES[colour], shape, area, (x0, y0, x1, y1), (float(xs.mean()), float(ys.mean()))
+                _NAMES[colour],
+                shape,
+                area,
+                (x0, y0, x1, y1),
+                (float(xs.mean()), float(ys.mean())),
+                shape_fits(ys - y0, xs - x0, bw, bh),
             )
         )
     objects.sort(key=lambda o: -o.area)
@@ -174,6 +181,25 @@ def _shape(ys: np.ndarray, xs: np.ndarray, bw: int, bh: int, area: int) -> str:
     return "other"
 
 
+def shape_fits(ys: np.ndarray, xs: np.ndarray, bw: int, bh: int) -> dict[str, float]:
+    """IoU of a region (box-relative pixel coordinates) with the ideal square (its box), circle
+    (the ellipse inscribed in it) and triangle (pointing up, apex at the top centre) of its box.
+
+    A graded measure of how much a blob looks like each shape, for a reward that has to tell a
+    slightly squarer blob from a rounder one (`shape_fit`); the verdict is `_shape`'s."""
+    mask = np.zeros((bh, bw), dtype=bool)
+    mask[ys, xs] = True
+    y, x = np.mgrid[0:bh, 0:bw]
+    u = (x + 0.5) / bw * 2 - 1  # [-1, 1] across the box, pixel centres
+    v = (y + 0.5) / bh  # [0, 1] down the box
+    templates = {
+        "square": np.ones_like(mask),
+        "circle": u**2 + (2 * v - 1) ** 2 <= 1,
+        "triangle": np.abs(u) <= v,
+    }
+    return {name: float((mask & t).sum() / max(1, (mask | t).sum())) for name, t in templates.items()}
+
+
 def relative_position(a: DetectedObject, b: DetectedObject) -> set[str]:
     """GenEval's relations of `a` to `b` (a subset of left of / right of / above / below)."""
     box_a, box_b = np.array(a.box, dtype=np.float64), np.array(b.box, dtype=np.float64)
@@ -201,18 +227,22 @@ def check_spec(spec: ImageSpec, analysis: Analysis) -> dict[str, float]:
     if spec.text is not None:
         raise ValueError("a text spec is scored by the OCR reward, not by the geneval verifier")
     if analysis.foreground > MAX_FOREGROUND:
-        zero = dict.fromkeys(("colour", "count", "shape", "position", "clean", "accuracy", "correct"), 0.0)
+        zero = dict.fromkeys(
+            ("colour", "count", "shape", "shape_fit", "position", "clean", "accuracy", "correct"), 0.0
+        )
         return {**zero, "format": 0.0, "objects": float(len(analysis.objects))}
     by_colour: dict[str, list[DetectedObject]] = {}
     for o in analysis.objects:
         by_colour.setdefault(o.colour, []).append(o)
-    colour, count, shape = [], [], []
+    colour, count, shape, fit = [], [], [], []
     for group in spec.objects:
         found = by_colour.get(group.colour, [])
         colour.append(float(len(found) >= 1))
         count.append(float(len(found) == group.count))
         matching = sum(1 for o in found if o.shape == group.shape)
         shape.append(min(group.count, matching) / max(group.count, len(found)))
+        best = sorted((o.fit.get(group.shape, 0.0) for o in found), reverse=True)[: group.count]
+        fit.append(sum(best) / max(group.count, len(found)))
     credits = colour + count + shape
     position = 1.0
     if spec.relation is not None:
@@ -230,6 +260,7 @@ def check_spec(spec: ImageSpec, analysis: Analysis) -> dict[str, float]:
         "colour": float(np.mean(colour)),
         "count": float(np.mean(count)),
         "shape": float(np.mean(shape)),
+        "shape_fit": float(np.mean(fit)),
         "position": position,
         "clean": clean,
         "accuracy": float(np.mean(credits)) * clean,

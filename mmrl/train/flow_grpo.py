@@ -517,6 +517,7 @@ def score_images(
                 raise ValueError(
                     f"returned {col.shape[0] if col.dim() else 'no'} scores for {len(prompts)} images"
                 )
+            metrics.update(component_means(name, out.components, len(prompts)))
         except Exception as exc:  # a reward model's failure is counted like a verifier error
             log.warning("reward %r failed on %d images: %s: %s", name, len(prompts), type(exc).__name__, exc)
             col = torch.full((len(prompts),), float("nan"))
@@ -538,6 +539,25 @@ def score_images(
     metrics["reward/mean"] = float(kept.mean()) if kept.numel() else float("nan")
     metrics["reward/std"] = float(kept.std()) if kept.numel() > 1 else 0.0
     return scores, metrics
+
+
+def component_means(name: str, components: dict[str, list[float]], n: int) -> dict[str, float]:
+    """`reward/<name>/<component>`: the mean over the batch of each per-image component a
+    reward model reports (GenEval's colour / count / shape / position / clean, ...), NaN entries
+    (not applicable, e.g. a text prompt's shape) left out; a component that is not one number
+    per image, or is NaN throughout, is not logged."""
+    out = {}
+    for key, values in components.items():
+        if key in ("mean", "std", name) or len(values) != n:  # `name`: the score itself
+            continue
+        try:
+            col = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        except (TypeError, ValueError):  # not numbers (a label, a text): nothing to average
+            continue
+        col = col[torch.isfinite(col)]
+        if col.numel():
+            out[f"reward/{name}/{key}"] = float(col.mean())
+    return out
 
 
 def compute_advantages(cfg: FlowConfig, scores: torch.Tensor) -> torch.Tensor:
