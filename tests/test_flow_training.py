@@ -375,20 +375,28 @@ def test_lora_pipeline_is_saved_merged_and_reloads_with_the_trained_weights(cach
 
 @pytest.mark.slow
 def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(tmp_path):
-    """The `text_to_image` recipe (its warm-up included, ~3 min, in a fresh cache),
-    shortened to 30 RL steps and 96 held-out prompts: the held-out partial-credit GenEval score
-    (`eval/geneval/score`, the reward being optimised, ODE sampler, EMA weights) must rise.
+    """flow-GRPO on the built-in image base from a fresh cache, warm-up included: the held-out
+    partial-credit GenEval score (`eval/geneval/score`: ODE sampler, EMA weights, 96 prompts)
+    must rise over 30 RL steps.
 
-    Measured on the 2-core machine (one torch thread): held-out score at step 0 -> 30 was
-    0.675 -> 0.737 (seed 0, 96 prompts), 0.684 -> 0.766 (seed 1, 96 prompts), 0.672 -> 0.729
-    and 0.669 -> 0.736 (seeds 0 and 1, 288 prompts): +0.057 to +0.082; the bar is about half of
-    the smallest. Strict accuracy is not asserted: over the same runs it moved 29.2 -> 38.5,
-    43.8 -> 42.7 and 33.0 -> 35.4 %, within the evaluation's own noise (the same base scores 29.2 % or 43.8 %
-    on 96 prompts depending only on the evaluation seed)."""
+    It runs the `text_to_image` recipe on the shorter 800-step base (33% held-out strict accuracy;
+    the recipe's own is 1,600 steps and 56%) without the `shape_fit` term, the setting whose
+    gain was measured over four runs on the 2-core machine (one torch thread): held-out score at
+    step 0 -> 30 was 0.675 -> 0.737 (seed 0, 96 prompts), 0.684 -> 0.766 (seed 1, 96 prompts),
+    0.672 -> 0.729 and 0.669 -> 0.736 (seeds 0 and 1, 288 prompts): +0.057 to +0.082; the bar is
+    about half of the smallest. (From the 1,600-step base the score starts at 0.82 and rose by
+    0.016-0.03: too little above its noise for a test.) Strict accuracy is not asserted: over
+    the same runs it moved 29.2 -> 38.5, 43.8 -> 42.7 and 33.0 -> 35.4 %, within the
+    evaluation's own noise (the same base scores 29.2 % or 43.8 % on 96 prompts depending only on
+    the evaluation seed)."""
     cfg = load_flow_config(
         "text_to_image",
         overrides=[
             f"model.cache_dir={tmp_path / 'cache'}",
+            "model.warmup.max_steps=800",
+            "model.warmup.eval_every=200",
+            "model.warmup.target_accuracy=0.3",
+            "reward.kwargs.geneval.shape_fit=0.0",
             "trainer.total_steps=30",
             "trainer.eval_every=0",
             "trainer.eval_size=96",
