@@ -6,7 +6,7 @@ an object prompt ("two red circles", "a blue square left of a green triangle") i
 and position, times `clean`), a text prompt (`the text "cat"`) by the OCR reward (`ocr`, built
 on first use: rapidocr loads its models then). Components: `correct` (GenEval's strict verdict;
 the OCR reward's exact match for text), and the verifier's `colour`, `count`, `shape`,
-`position`, `clean` (NaN for text prompts: they do not apply there, and a 1 would inflate a
+`shape_fit`, `position`, `clean` (NaN for text prompts: they do not apply there, and a 1 would inflate a
 mixed batch's means of them; average them with `nanmean`).
 
 It runs on the host (image analysis in NumPy), whatever device it is configured with. A prompt

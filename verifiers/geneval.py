@@ -27,8 +27,10 @@ built-in task, `mmrl.datasets.geneval`), so plain image analysis replaces the de
 The image is the sample's only image (the generated one); the response text is not read. The
 ground truth is the spec as a dict (`ImageSpec.to_dict()`); a `text` spec (a rendered word) is
 scored by the OCR reward, not here (`mmrl.rewards.geneval` routes it). Components: `accuracy`,
-`format` (1 when the image is a drawing at all), `colour`, `count`, `shape`, `position` (NaN-free:
-1 when no relation is asked), `clean`, `correct`, `objects` (how many were detected).
+`format` (1 when the image is a drawing at all), `colour`, `count`, `shape`, `shape_fit` (graded:
+the IoU of the asked-for colour's objects with the ideal asked-for shape in their boxes, counted
+like `shape`; `shape_fits`), `position` (NaN-free: 1 when no relation is asked), `clean`,
+`correct`, `objects` (how many were detected).
 """
 
 from __future__ import annotations
