@@ -44,7 +44,8 @@ class GenEvalReward(RewardModel):
         """`strict`: the reward is GenEval's 0/1 `correct` instead of the partial credit.
         `shape_fit`: add this weight times the graded `shape_fit` (times `clean`) to an object
         prompt's score, so that a blob a little closer to the asked shape scores a little more
-        even while the verdict is still wrong (the verdict and `correct` are unchanged)."""
+        even while the verdict is still wrong (the verdict and `correct` are unchanged). With
+        `strict` the term is added to the 0/1 verdict the same way."""
         super().__init__("cpu")
         if shape_fit < 0:
             raise ValueError(f"geneval: shape_fit must be >= 0, got {shape_fit}")

@@ -201,6 +201,31 @@ def test_the_reward_adds_the_weighted_shape_fit():
         get_reward_model("geneval", shape_fit=-1.0)
 
 
+def test_the_shape_fit_term_cannot_be_collected_by_the_wrong_shape_noise_or_every_colour():
+    """A policy hunting for the graded term: with weight 3, the asked-for shape still scores
+    above the other two shapes in the asked colour, and noise or a patchwork of every colour
+    scores far below any of them (`clean` and the foreground rule cut the term too)."""
+    from mmrl.rewards import get_reward_model
+
+    reward = get_reward_model("geneval", shape_fit=3.0)
+    rng = np.random.default_rng(3)
+    for asked in ("circle", "square", "triangle"):
+        images = []
+        for shape in ("circle", "square", "triangle"):
+            image, d = _canvas()
+            draw_shape(d, shape, 16, 16, 9, COLOURS["red"])
+            images.append(image)
+        noise = Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8))
+        patchwork, d = _canvas()
+        for k, rgb in enumerate(COLOURS.values()):
+            d.rectangle([k * 5, 4, k * 5 + 4, 27], fill=rgb)
+        images += [noise, patchwork]
+        scores = reward.score(images=images, prompts=[f"a red {asked}"] * 5)
+        right = scores[("circle", "square", "triangle").index(asked)]
+        assert right == max(scores[:3]) and sorted(scores[:3]).count(right) == 1, (asked, scores)
+        assert max(scores[3:]) < 0.5 * min(scores[:3]), (asked, scores)
+
+
 def _box(x0, y0, x1, y1) -> DetectedObject:
     return DetectedObject("red", "square", 1, (x0, y0, x1, y1), (0.0, 0.0))
 
