@@ -155,13 +155,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train_diffusion(args: argparse.Namespace, overrides: list[str]) -> int:
     """flow-GRPO on a diffusion pipeline (`configs/<task>.yaml` with `kind: diffusion`)."""
-    from mmrl.train.flow_config import load_flow_config
-    from mmrl.train.flow_grpo import run_text_to_image
+    from mmrl.train.flow_config import load_flow_config, recipe_kind
     from mmrl.train.storage import StorageError
 
     try:
-        cfg = load_flow_config(args.task, args.config, overrides)
-        result = run_text_to_image(cfg)
+        if recipe_kind(args.task) == "decoupled":  # a planner in front of the pipeline
+            from mmrl.train.decoupled import run_decoupled
+            from mmrl.train.decoupled_config import load_decoupled_config
+
+            result = run_decoupled(load_decoupled_config(args.task, args.config, overrides))
+        else:
+            from mmrl.train.flow_grpo import run_text_to_image
+
+            result = run_text_to_image(load_flow_config(args.task, args.config, overrides))
     except (ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)
         return 2

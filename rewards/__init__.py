@@ -12,6 +12,7 @@ from mmrl.rewards import clip_score as _clip_score  # noqa: F401
 from mmrl.rewards import geneval as _geneval  # noqa: F401
 from mmrl.rewards import jpeg as _jpeg  # noqa: F401
 from mmrl.rewards import ocr as _ocr  # noqa: F401
+from mmrl.rewards import perceptual as _perceptual  # noqa: F401
 from mmrl.rewards import vlm_judge as _vlm_judge  # noqa: F401
 from mmrl.rewards.base import (
     RewardModel,

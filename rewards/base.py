@@ -111,6 +111,12 @@ class RewardModel:
         return self
 
     # --- scoring -------------------------------------------------------------------------
+    def accepts_prompt(self, prompt: str) -> bool:
+        """Whether `score` can grade an image for `prompt` at all (a rule reward with a grammar
+        refuses prompts outside it); True by default. The decoupled trainer asks before it
+        scores a plan, so one plan outside the grammar costs only its own images."""
+        return True
+
     def score_with_components(
         self,
         images: ImagesLike | None = None,

@@ -53,6 +53,16 @@ class GenEvalReward(RewardModel):
         self.shape_fit = float(shape_fit)
         self._ocr = None
 
+    def accepts_prompt(self, prompt: str) -> bool:
+        """True when `prompt` parses in the GenEval-style grammar."""
+        from mmrl.datasets.geneval import parse_prompt
+
+        try:
+            parse_prompt(prompt)
+        except ValueError:
+            return False
+        return True
+
     def score_with_components(
         self,
         images: ImagesLike | None = None,

@@ -177,11 +177,9 @@ def find_flow_checkpoint(cfg: FlowConfig, run_dir: Path) -> Path | None:
 def check_config_unchanged(cfg: FlowConfig, checkpoint: Path) -> None:
     """Refuse to resume with a config that differs from the checkpoint's, except in the keys of
     `RESUMABLE_CHANGES` (the differences are listed)."""
-    from mmrl.train.flow_config import FlowConfig
-
     saved_yaml = (checkpoint / "config.yaml").read_text()
-    saved = OmegaConf.to_container(
-        OmegaConf.merge(OmegaConf.structured(FlowConfig), OmegaConf.create(saved_yaml))
+    saved = OmegaConf.to_container(  # type(cfg): the decoupled loop's config is a subclass
+        OmegaConf.merge(OmegaConf.structured(type(cfg)), OmegaConf.create(saved_yaml))
     )
     now = OmegaConf.to_container(OmegaConf.structured(cfg))
     diffs = [

@@ -258,6 +258,11 @@ class FlowTrainerConfig:
 class FlowConfig:
     """Everything a flow-GRPO run needs."""
 
+    KIND = "diffusion"
+    """The `kind` this config class runs (a subclass runs another loop)."""
+    BUILTINS = ("scenes", "geneval")
+    """The `data.builtin` prompt sets it knows."""
+
     kind: str = "diffusion"
     """Marks a diffusion recipe (the CLI dispatches on it)."""
     model: FlowModelConfig = field(default_factory=FlowModelConfig)
@@ -282,14 +287,14 @@ class FlowConfig:
 
         s, a, t, r = self.sample, self.algo, self.trainer, self.reward
         checks = [
-            (self.kind == "diffusion", "kind must be diffusion"),
+            (self.kind == self.KIND, f"kind must be {self.KIND}"),
             (self.model.tiny.family in ("sd3", "flux"), "model.tiny.family must be sd3 or flux"),
             (self.model.base in ("random", "geneval"), "model.base must be random or geneval"),
             (
                 self.model.base != "geneval" or self.model.tiny.family == "sd3",
                 "model.base=geneval is an SD3 pipeline: model.tiny.family must be sd3 (or model.base=random)",
             ),
-            (self.data.builtin in ("scenes", "geneval"), "data.builtin must be scenes or geneval"),
+            (self.data.builtin in self.BUILTINS, f"data.builtin must be one of {list(self.BUILTINS)}"),
             (
                 bool(self.data.kinds) and all(k in GENEVAL_KINDS for k in self.data.kinds),
                 f"data.kinds must be a non-empty list of {list(GENEVAL_KINDS)}, got {list(self.data.kinds)}",
@@ -361,12 +366,18 @@ def load_flow_config(
 
 
 def is_diffusion_task(task: str) -> bool:
-    """True when `configs/<task>.yaml` says `kind: diffusion` at its top level."""
+    """True when `configs/<task>.yaml` says `kind: diffusion` (or `decoupled`: an autoregressive
+    planner in front of the pipeline, `mmrl.train.decoupled`) at its top level."""
+    return recipe_kind(task) in ("diffusion", "decoupled")
+
+
+def recipe_kind(task: str) -> str | None:
+    """The top-level `kind` of `configs/<task>.yaml` (None: no such recipe, or no kind)."""
     recipe = resources.files("mmrl.configs") / f"{task}.yaml"
     if not recipe.is_file():
-        return False
+        return None
     conf = OmegaConf.create(recipe.read_text())
-    return isinstance(conf, type(OmegaConf.create({}))) and conf.get("kind") == "diffusion"
+    return conf.get("kind") if isinstance(conf, type(OmegaConf.create({}))) else None
 
 
 def flow_config_dict(cfg: FlowConfig) -> dict[str, Any]:

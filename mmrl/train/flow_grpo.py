@@ -500,24 +500,41 @@ def rollout(cfg: FlowConfig, t: FlowTrainee, prompts: list[str], gen: torch.Gene
 
 
 def score_images(
-    cfg: FlowConfig, t: FlowTrainee, images: torch.Tensor, prompts: list[str]
+    cfg: FlowConfig, t: FlowTrainee, images: torch.Tensor, prompts: list[str], **fields
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """[N, K] rewards (one column per reward model) and their metrics.
+    """[N, K] rewards (one column per reward model of `reward.names`) and their metrics
+    (`score_columns`)."""
+    r = cfg.reward
+    return score_columns(r.names, t.rewards, r.weights, r.on_error, images, prompts, **fields)
+
+
+def score_columns(
+    names: Sequence[str],
+    models: Sequence,
+    weights: Sequence[float],
+    on_error: str,
+    images: torch.Tensor,
+    prompts: list[str],
+    prefix: str = "reward",
+    **fields,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """[N, K] rewards, one column per reward model, and their metrics under `prefix`.
 
     A reward model that raises, returns the wrong number of scores, or non-finite ones is an
     error for the images concerned, never a silent score: it is logged and counted
-    (`reward/errors/<name>`), and those entries are NaN in the result; `compute_advantages`
-    then scores them 0 or drops the images (`reward.on_error`)."""
+    (`<prefix>/errors/<name>`), and those entries are NaN in the result; `compute_advantages`
+    then scores them 0 or drops the images (`on_error`). `fields` (e.g. `references=[...]`) go
+    to every model."""
     columns, metrics = [], {}
-    for name, model in zip(cfg.reward.names, t.rewards):
+    for name, model in zip(names, models):
         try:
-            out = model.score_with_components(images=images, prompts=prompts)
+            out = model.score_with_components(images=images, prompts=prompts, **fields)
             col = torch.tensor(out.scores, dtype=torch.float32)
             if col.shape != (len(prompts),):
                 raise ValueError(
                     f"returned {col.shape[0] if col.dim() else 'no'} scores for {len(prompts)} images"
                 )
-            metrics.update(component_means(name, out.components, len(prompts)))
+            metrics.update(component_means(name, out.components, len(prompts), prefix))
         except Exception as exc:  # a reward model's failure is counted like a verifier error
             log.warning("reward %r failed on %d images: %s: %s", name, len(prompts), type(exc).__name__, exc)
             col = torch.full((len(prompts),), float("nan"))
@@ -527,22 +544,24 @@ def score_images(
                 "reward %r: non-finite scores for %d of %d images", name, int(failed.sum()), len(prompts)
             )
         columns.append(col)
-        metrics[f"reward/errors/{name}"] = float(failed.sum())
+        metrics[f"{prefix}/errors/{name}"] = float(failed.sum())
         good = col[~failed]
-        metrics[f"reward/{name}/mean"] = float(good.mean()) if good.numel() else float("nan")
-        metrics[f"reward/{name}/std"] = float(good.std()) if good.numel() > 1 else 0.0
+        metrics[f"{prefix}/{name}/mean"] = float(good.mean()) if good.numel() else float("nan")
+        metrics[f"{prefix}/{name}/std"] = float(good.std()) if good.numel() > 1 else 0.0
     scores = torch.stack(columns, dim=1)
     failed_rows = (~torch.isfinite(scores)).any(dim=1)
-    metrics["reward/errors"] = float((~torch.isfinite(scores)).sum())
-    total = scores.nan_to_num(nan=0.0) @ torch.tensor(cfg.reward.weights, dtype=torch.float32)
-    kept = total if cfg.reward.on_error == "zero" else total[~failed_rows]
-    metrics["reward/mean"] = float(kept.mean()) if kept.numel() else float("nan")
-    metrics["reward/std"] = float(kept.std()) if kept.numel() > 1 else 0.0
+    metrics[f"{prefix}/errors"] = float((~torch.isfinite(scores)).sum())
+    total = scores.nan_to_num(nan=0.0) @ torch.tensor(list(weights), dtype=torch.float32)
+    kept = total if on_error == "zero" else total[~failed_rows]
+    metrics[f"{prefix}/mean"] = float(kept.mean()) if kept.numel() else float("nan")
+    metrics[f"{prefix}/std"] = float(kept.std()) if kept.numel() > 1 else 0.0
     return scores, metrics
 
 
-def component_means(name: str, components: dict[str, list[float]], n: int) -> dict[str, float]:
-    """`reward/<name>/<component>`: the mean over the batch of each per-image component a
+def component_means(
+    name: str, components: dict[str, list[float]], n: int, prefix: str = "reward"
+) -> dict[str, float]:
+    """`<prefix>/<name>/<component>`: the mean over the batch of each per-image component a
     reward model reports (GenEval's colour / count / shape / position / clean, ...), NaN entries
     (not applicable, e.g. a text prompt's shape) left out; a component that is not one number
     per image, or is NaN throughout, is not logged."""
@@ -556,7 +575,7 @@ def component_means(name: str, components: dict[str, list[float]], n: int) -> di
             continue
         col = col[torch.isfinite(col)]
         if col.numel():
-            out[f"reward/{name}/{key}"] = float(col.mean())
+            out[f"{prefix}/{name}/{key}"] = float(col.mean())
     return out
 
 
@@ -804,16 +823,18 @@ FLOW_PANELS = [
 ]
 
 
-def plot_flow_curves(metrics_path: Path, out_path: Path) -> Path:
-    """One panel per curve group from `metrics.jsonl`: train/eval reward, KL, ratio, grad norm."""
+def plot_flow_curves(metrics_path: Path, out_path: Path, panels: list | None = None) -> Path:
+    """One panel per curve group from `metrics.jsonl` (`panels`: (title, keys) pairs; default
+    `FLOW_PANELS`: train/eval reward, KL, ratio, grad norm)."""
+    panels = panels or FLOW_PANELS
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
-    fig, axes = plt.subplots(1, len(FLOW_PANELS), figsize=(4 * len(FLOW_PANELS), 3.2))
-    for ax, (title, keys) in zip(axes, FLOW_PANELS):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, keys) in zip(axes, panels):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
             if points:
