@@ -159,15 +159,15 @@ def _train_diffusion(args: argparse.Namespace, overrides: list[str]) -> int:
     from mmrl.train.storage import StorageError
 
     try:
+        cfg = load_flow_config(args.task, args.config, overrides)
         if recipe_kind(args.task) == "decoupled":  # a planner in front of the pipeline
             from mmrl.train.decoupled import run_decoupled
-            from mmrl.train.decoupled_config import load_decoupled_config
 
-            result = run_decoupled(load_decoupled_config(args.task, args.config, overrides))
+            result = run_decoupled(cfg)
         else:
             from mmrl.train.flow_grpo import run_text_to_image
 
-            result = run_text_to_image(load_flow_config(args.task, args.config, overrides))
+            result = run_text_to_image(cfg)
     except (ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)
         return 2

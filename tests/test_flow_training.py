@@ -374,8 +374,10 @@ def test_lora_pipeline_is_saved_merged_and_reloads_with_the_trained_weights(cach
 
 
 @pytest.mark.slow
-def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(tmp_path):
-    """flow-GRPO on the built-in image base from a fresh cache, warm-up included: the held-out
+def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp_path):
+    """flow-GRPO on the built-in image base from the test run's cache (fresh in CI: the first
+    test that needs this base builds it, warm-up included; the decoupled learning test of
+    tests/test_decoupled.py shares it): the held-out
     partial-credit GenEval score (`eval/geneval/score`: ODE sampler, EMA weights, 96 prompts)
     must rise over 30 RL steps.
 
@@ -393,7 +395,7 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(tmp_path):
     cfg = load_flow_config(
         "text_to_image",
         overrides=[
-            f"model.cache_dir={tmp_path / 'cache'}",
+            f"model.cache_dir={mmrl_cache}",
             "model.warmup.max_steps=800",
             "model.warmup.object_scale=1.4",
             "model.warmup.eval_every=200",

@@ -221,7 +221,11 @@ class Planner:
         ids, mask = ids.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
         N = ids.shape[0]
         position = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True)
+        # logits of the last position only: a prompt's [N, P, V] logits at a 151,936-token vocabulary
+        # would be gigabytes for nothing
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, logits_to_keep=1
+        )
         past, logits = out.past_key_values, out.logits[:, -1]
         next_pos = position[:, -1:] + 1
         done = torch.zeros(N, dtype=torch.bool, device=ids.device)

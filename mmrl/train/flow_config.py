@@ -361,7 +361,12 @@ def load_flow_config(
     config_file: str | Path | None = None,
     overrides: list[str] | None = None,
 ) -> FlowConfig:
-    """Defaults <- task recipe <- config file <- `key=value` overrides, validated."""
+    """Defaults <- task recipe <- config file <- `key=value` overrides, validated. A `kind:
+    decoupled` recipe gives its subclass (`mmrl.train.decoupled_config.DecoupledConfig`)."""
+    if recipe_kind(task) == "decoupled":
+        from mmrl.train.decoupled_config import DecoupledConfig
+
+        return load_structured(DecoupledConfig, task, config_file, overrides)
     return load_structured(FlowConfig, task, config_file, overrides)
 
 
