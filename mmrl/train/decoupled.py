@@ -46,14 +46,14 @@ from mmrl.models.planner import PlanBatch, Planner, builtin_planner, load_planne
 from mmrl.train.decoupled_config import DecoupledConfig
 from mmrl.train.flow_checkpoint import (
     FlowProgress,
-    _NoProcessor,
     _Weights,
     check_config_unchanged,
     find_flow_checkpoint,
     remove_stale_temporaries,
     restore_flow_checkpoint,
+    write_flow_checkpoint,
 )
-from mmrl.train.flow_config import flow_config_dict, flow_config_to_yaml
+from mmrl.train.flow_config import flow_config_dict
 from mmrl.train.flow_grpo import (
     FlowTrainee,
     FlowTrainResult,
@@ -445,31 +445,12 @@ def write_decoupled_checkpoint(
     progress: FlowProgress,
     run_dir: Path,
 ) -> Path:
-    """`mmrl.train.flow_checkpoint.write_flow_checkpoint` with the planner's weights and
-    optimizer added (same atomic write, manifest and retention)."""
-    from mmrl.train.checkpoint import apply_retention, save_checkpoint
-
-    state = {
-        "optimizer": t.optimizer.state_dict(),
-        "updates": t.updates,
-        "ema_updates": t.ema.updates if t.ema is not None else None,
-        "planner_optimizer": pt.optimizer.state_dict(),
-        "planner_updates": pt.updates,
-        "prompt_order": order.state_dict(),
-        "progress": progress.__dict__.copy(),
-    }
-    metric = progress.final_reward if progress.final_reward == progress.final_reward else None
-    path = save_checkpoint(
-        run_dir,
-        progress.step,
-        _BothHalves(t, pt),
-        _NoProcessor(),
-        state,
-        flow_config_to_yaml(cfg),
-        metric=metric,
+    """flow-GRPO's checkpoint (`write_flow_checkpoint`: same atomic write, manifest and
+    retention) with the planner's weights and optimizer added."""
+    extra = {"planner_optimizer": pt.optimizer.state_dict(), "planner_updates": pt.updates}
+    return write_flow_checkpoint(
+        cfg, t, order, progress, run_dir, weights=_BothHalves(t, pt), extra_state=extra
     )
-    apply_retention(run_dir, cfg.trainer.keep_last, keep_best=False)
-    return path
 
 
 def restore_decoupled_checkpoint(

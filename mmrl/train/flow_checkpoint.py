@@ -107,11 +107,19 @@ def trainable_names(t: FlowTrainee) -> list[str]:
 
 
 def write_flow_checkpoint(
-    cfg: FlowConfig, t: FlowTrainee, order: PromptOrder, progress: FlowProgress, run_dir: Path
+    cfg: FlowConfig,
+    t: FlowTrainee,
+    order: PromptOrder,
+    progress: FlowProgress,
+    run_dir: Path,
+    weights: Any = None,
+    extra_state: dict | None = None,
 ) -> Path:
     """Checkpoint `progress.step` atomically, then keep the `trainer.keep_last` newest. A failed
     write (disk full, read-only folder) raises `OSError` naming the folder; the temporary is
-    removed and the earlier checkpoints stay intact."""
+    removed and the earlier checkpoints stay intact. `weights` (an object with
+    `save_pretrained(folder)`; default the trained weights and EMA) and `extra_state` (merged
+    into the trainer state) let another loop add what it trains (`mmrl.train.decoupled`)."""
     from mmrl.train.flow_config import flow_config_to_yaml
 
     state = {
@@ -120,6 +128,7 @@ def write_flow_checkpoint(
         "ema_updates": t.ema.updates if t.ema is not None else None,
         "prompt_order": order.state_dict(),
         "progress": progress.__dict__.copy(),
+        **(extra_state or {}),
     }
     metric = progress.final_reward if progress.final_reward == progress.final_reward else None
     # A failed write raises `StorageError` naming the folder, the cause and the last good
@@ -127,7 +136,7 @@ def write_flow_checkpoint(
     path = save_checkpoint(
         run_dir,
         progress.step,
-        _Weights(t),
+        weights if weights is not None else _Weights(t),
         _NoProcessor(),
         state,
         flow_config_to_yaml(cfg),
