@@ -357,3 +357,32 @@ def test_both_halves_of_the_decoupled_generator_learn(mmrl_cache, tmp_path):
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean(planner[-10:]) > mean(planner[:10]) + 0.06, (planner[:10], planner[-10:])
     assert mean(decoder[-10:]) > mean(decoder[:10]) + 0.12, (decoder[:10], decoder[-10:])
+
+
+def test_a_vlm_judge_is_routed_to_the_planner_through_a_real_step(mmrl_cache, tmp_path):
+    """The semantic judge of decoupled RL as a planner reward: a (random, tiny) Qwen2-VL folder
+    grades each image against the request's target next to the rule reward; its unparsed
+    grades are counted, not hidden."""
+    from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm
+    from mmrl.train.decoupled import run_decoupled
+
+    spec = TinyVLMSpec()
+    folder = tmp_path / "judge"
+    build_tiny_vlm(spec, seed=0).save_pretrained(folder)
+    build_processor(spec).save_pretrained(folder)
+    run = tmp_path / "judged"
+    cfg = _run_cfg(
+        mmrl_cache,
+        run,
+        "trainer.total_steps=1",
+        "planner.rewards.names=[geneval,vlm_judge]",
+        "planner.rewards.weights=[1.0,0.5]",
+        f"planner.rewards.kwargs={{vlm_judge: {{model_path: '{folder}', max_new_tokens: 6}}}}",
+    )
+    run_decoupled(cfg)
+    step = next(
+        r for r in read_metrics(run / "metrics.jsonl") if r["step"] == 1 and "planner/policy_loss" in r
+    )
+    assert step["planner/reward/errors/vlm_judge"] == 0.0
+    assert 0.0 <= step["planner/reward/vlm_judge/judge_parse_failed"] <= 1.0
+    assert "planner/reward/geneval/mean" in step and "planner/reward/vlm_judge/mean" in step
