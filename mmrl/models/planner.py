@@ -158,8 +158,11 @@ class Planner:
         template: str | None = None,
         instruction: str = DEFAULT_INSTRUCTION,
         max_new_tokens: int = 8,
+        autocast: Any = None,
     ):
         self.model = model
+        self.autocast = autocast
+        """A callable giving the forward's autocast context (`Precision.context`); None: none."""
         self.tokenizer = tokenizer
         self.template = template
         """`{request}` format of the prompt; None: the tokenizer's chat template with `instruction`."""
@@ -204,8 +207,17 @@ class Planner:
             out.append(self.tokenizer.decode(kept, skip_special_tokens=True).strip())
         return out
 
-    @torch.no_grad()
-    def sample(
+    def _context(self):
+        import contextlib
+
+        return self.autocast() if self.autocast is not None else contextlib.nullcontext()
+
+    def sample(self, *args, **kwargs) -> PlanBatch:
+        """`_sample` (below) under the planner's autocast context."""
+        with torch.no_grad(), self._context():
+            return self._sample(*args, **kwargs)
+
+    def _sample(
         self,
         requests: list[str],
         n: int = 1,
@@ -265,6 +277,13 @@ class Planner:
         """[r, R] log-probs and entropies of the stored plans of `rows` under the current weights
         (the tempered distribution they were sampled from); the LM head runs in chunks of
         positions (`mmrl.algos.logprobs.module_head_logprobs`). Zero where the mask is 0."""
+
+        with self._context():
+            return self._logprobs(batch, rows, temperature)
+
+    def _logprobs(
+        self, batch: PlanBatch, rows: list[int] | torch.Tensor, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from mmrl.algos.logprobs import module_head_logprobs
 
         rows = torch.as_tensor(rows, dtype=torch.long, device=batch.prompt_ids.device)

@@ -153,8 +153,10 @@ def make_planner(cfg: DecoupledConfig, device: torch.device) -> Planner:
         max_new_tokens=p.max_new_tokens,
         revision=p.revision,
     )
-    # the planner trains in the master dtype (float32 by default), as the decoder's weights do
+    # the planner's weights are kept in the master dtype (float32 by default) and its forward
+    # runs under autocast in the compute dtype, as the decoder's transformer does
     planner.model.to(device=device, dtype=precision.master)
+    planner.autocast = precision.context
     return planner
 
 
@@ -400,7 +402,9 @@ def evaluate_decoupled(
 
         metrics.update({f"geneval/{k}": v for k, v in prompt_following(traj.images, reqs.targets).items()})
         right = verdicts(traj.images, reqs.targets)
-        readable_rows = readable.nonzero().flatten().tolist()
+        # the verdict against the plan needs a plan in the grammar (the decoder's rewards may
+        # read other plans: a perceptual reward reads any)
+        readable_rows = [i for i in readable.nonzero().flatten().tolist() if geneval_style([plans[i]])]
         rendered = (
             verdicts(traj.images[readable_rows], [plans[i] for i in readable_rows]) if readable_rows else []
         )
