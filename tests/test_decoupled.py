@@ -166,6 +166,10 @@ def test_decoupled_config_rejects_bad_halves_and_groups():
         load_decoupled_config(overrides=["planner.group_size=1"])
     with pytest.raises(ValueError, match="planner.mini_batches must divide"):
         load_decoupled_config(overrides=["planner.mini_batches=3"])
+    with pytest.raises(ValueError, match="planner.advantage must be one of"):
+        load_decoupled_config(overrides=["planner.advantage=remax"])
+    with pytest.raises(ValueError, match="planner.advantage must be one of"):
+        load_decoupled_config(overrides=["planner.advantage=gdpo"])
     with pytest.raises(ValueError, match="planner.loss"):
         load_decoupled_config(overrides=["planner.loss=nope"])
     with pytest.raises(ValueError, match="data.builtin"):
@@ -296,7 +300,10 @@ def test_train_halves_leaves_the_other_half_unchanged(mmrl_cache, tmp_path):
     from mmrl.train.decoupled import run_decoupled
 
     run = tmp_path / "planner_only"
-    run_decoupled(_run_cfg(mmrl_cache, run, "trainer.total_steps=1", "train_halves=[planner]"))
+    # OPO: an estimator that weighs by the plans' token counts, which the loop passes it
+    run_decoupled(
+        _run_cfg(mmrl_cache, run, "trainer.total_steps=1", "train_halves=[planner]", "planner.advantage=opo")
+    )
     records = read_metrics(run / "metrics.jsonl")
     step = next(r for r in records if r["step"] == 1 and "planner/policy_loss" in r)
     assert "decoder/policy_loss" not in step

@@ -322,9 +322,12 @@ def decoupled_step(
         metrics.update({f"decoder/{k.removeprefix('actor/')}": v for k, v in dec_metrics.items()})
         metrics["decoder/adv_abs_mean"] = float(dec_adv.abs().mean())
     if "planner" in cfg.train_halves:
-        from mmrl.algos.advantages import get_advantage_estimator
+        from mmrl.algos.advantages import TOKEN_WEIGHTED, get_advantage_estimator
 
-        plan_adv = get_advantage_estimator(cfg.planner.advantage)(plan_reward, G)
+        extra = {}
+        if cfg.planner.advantage in TOKEN_WEIGHTED:
+            extra["token_counts"] = batch.response_mask.sum(1).float().cpu()
+        plan_adv = get_advantage_estimator(cfg.planner.advantage)(plan_reward, G, **extra)
         batch.old_logprobs = planner_old_logprobs(cfg, pt, batch)
         metrics.update(update_planner(cfg, pt, batch, plan_adv, gen))
         metrics["planner/adv_abs_mean"] = float(plan_adv.abs().mean())

@@ -129,14 +129,14 @@ class DecoupledConfig(FlowConfig):
                 "data.prompt_file must be a .jsonl file of requests for the decoupled loop",
             ),
         ]
-        from mmrl.algos.advantages import ADVANTAGE_ESTIMATORS
+        from mmrl.algos.advantages import ADVANTAGE_ESTIMATORS, NEEDS_BASELINE
         from mmrl.algos.losses import AGGREGATIONS, POLICY_LOSSES
 
+        # the planner's reward is one number per plan: no greedy baseline (ReMax), no reward
+        # columns (GDPO: combine the planner's rewards by weight instead)
+        usable = sorted(set(ADVANTAGE_ESTIMATORS) - NEEDS_BASELINE - {"gdpo"})
         checks += [
-            (
-                p.advantage in ADVANTAGE_ESTIMATORS,
-                f"planner.advantage must be one of {sorted(ADVANTAGE_ESTIMATORS)}",
-            ),
+            (p.advantage in usable, f"planner.advantage must be one of {usable}, got {p.advantage!r}"),
             (p.loss in POLICY_LOSSES, f"planner.loss must be one of {sorted(POLICY_LOSSES)}"),
             (p.agg in AGGREGATIONS, f"planner.agg must be one of {list(AGGREGATIONS)}"),
         ]
