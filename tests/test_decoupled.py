@@ -131,8 +131,7 @@ def test_ssim_reward_is_one_for_the_reference_and_lower_for_noise_or_another_dra
 
 
 def test_lpips_backend_reads_the_backbone_from_a_local_file_and_names_a_bad_one(tmp_path):
-    pytest.importorskip("lpips")
-    import torchvision
+    import torchvision  # lpips comes with the rewards extra: a missing install fails here
     from safetensors.torch import save_file
 
     from mmrl.rewards import get_reward_model
@@ -225,6 +224,14 @@ def test_a_plan_outside_the_decoders_grammar_costs_only_its_own_images():
     assert readable.tolist() == [True, True, False, False]
     assert torch.isfinite(scores[:2]).all() and torch.isnan(scores[2:]).all()
     assert metrics["decoder/plan_readable"] == 0.5
+    # with on_error=zero (the flow default) the unreadable plan's images still get no advantage
+    # and stay out of the statistics: the same advantages as with the two readable images alone
+    from mmrl.train.flow_grpo import compute_advantages
+
+    zero = load_decoupled_config(overrides=["sample.group_size=2", "reward.on_error=zero"])
+    adv = compute_advantages(zero, scores, keep=readable)
+    assert adv[2:].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(adv[:2], compute_advantages(zero, scores[:2]))
     pt = PlannerTrainee(None, [], None, [get_reward_model("geneval")])
     per_plan, m = score_planner(pt, cfg, images, ["a red circle"] * 2 + ["a blue square"] * 2, [None] * 4, 2)
     assert per_plan.tolist() == [1.0, 1.0] and m["planner/reward/mean"] == 1.0

@@ -10,8 +10,8 @@ it a crisp rendering of what it was told?). One step (`decoupled_step`), the rol
   2. the decoder renders K images per plan with the SDE sampler (`sample.group_size` = K, one
      initial noise per plan with `same_latent`): B x G x K images
   3. decoder rewards (`reward.*`) score each image against *its plan*; a plan a reward cannot
-     read (outside its grammar, `RewardModel.accepts_prompt`) gets NaN there, so its images
-     stay out of the decoder's update (`reward.on_error=drop`); flow-GRPO advantages over the
+     read (outside its grammar, `RewardModel.accepts_prompt`) gets NaN there, and its images
+     stay out of the decoder's update and statistics; flow-GRPO advantages over the
      K images of each plan: the decoder learns to render whatever it is given, and is not
      blamed for a wrong plan
   4. planner rewards (`planner.rewards.*`) score each image against the request's target;
@@ -59,6 +59,7 @@ from mmrl.train.flow_grpo import (
     FlowTrainResult,
     PromptOrder,
     _nothing,
+    choose_trained_steps,
     compute_advantages,
     create_run_dir,
     flow_model_path,
@@ -311,8 +312,10 @@ def decoupled_step(
     t3 = time.monotonic()
     # 5. Updates.
     if "decoder" in cfg.train_halves and bool(readable.any()):
-        dec_adv = compute_advantages(cfg, dec_scores)
-        trained = choose_trained_steps_all(cfg, traj, gen)
+        # images of an unreadable plan stay out of the decoder's statistics whatever
+        # `reward.on_error` says: they were not scored, not scored 0
+        dec_adv = compute_advantages(cfg, dec_scores, keep=readable)
+        trained = choose_trained_steps(traj.sde_steps, cfg.algo.timestep_fraction, gen)
         old = (
             traj.log_probs
             if cfg.algo.old_logprobs == "rollout"
@@ -348,12 +351,6 @@ def decoupled_step(
         }
     )
     return metrics
-
-
-def choose_trained_steps_all(cfg: DecoupledConfig, traj, gen: torch.Generator) -> list[int]:
-    from mmrl.train.flow_grpo import choose_trained_steps
-
-    return choose_trained_steps(traj.sde_steps, cfg.algo.timestep_fraction, gen)
 
 
 def verdicts(images: torch.Tensor, prompts: list[str]) -> list[bool]:

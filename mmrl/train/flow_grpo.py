@@ -500,12 +500,12 @@ def rollout(cfg: FlowConfig, t: FlowTrainee, prompts: list[str], gen: torch.Gene
 
 
 def score_images(
-    cfg: FlowConfig, t: FlowTrainee, images: torch.Tensor, prompts: list[str], **fields
+    cfg: FlowConfig, t: FlowTrainee, images: torch.Tensor, prompts: list[str]
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """[N, K] rewards (one column per reward model of `reward.names`) and their metrics
     (`score_columns`)."""
     r = cfg.reward
-    return score_columns(r.names, t.rewards, r.weights, r.on_error, images, prompts, **fields)
+    return score_columns(r.names, t.rewards, r.weights, r.on_error, images, prompts)
 
 
 def score_columns(
@@ -579,14 +579,19 @@ def component_means(
     return out
 
 
-def compute_advantages(cfg: FlowConfig, scores: torch.Tensor) -> torch.Tensor:
+def compute_advantages(
+    cfg: FlowConfig, scores: torch.Tensor, keep: torch.Tensor | None = None
+) -> torch.Tensor:
     """[N] advantages from [N, K] rewards: weighted sum then per-prompt normalisation, or GDPO.
     Failed entries (NaN, see `score_images`) count 0 with `reward.on_error=zero`; with `drop`
-    their images get advantage 0 and stay out of every statistic."""
+    their images get advantage 0 and stay out of every statistic. Rows where `keep` ([N] bool)
+    is False are always left out so (the decoupled loop's images of plans no reward can read)."""
     a, G = cfg.algo, cfg.sample.group_size
     valid = torch.isfinite(scores).all(dim=1)
     if cfg.reward.on_error == "zero":
         valid = torch.ones_like(valid)
+    if keep is not None:
+        valid = valid & keep
     scores = scores.nan_to_num(nan=0.0)
     if cfg.reward.combine == "gdpo":
         from mmrl.algos.advantages import get_advantage_estimator
