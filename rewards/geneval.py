@@ -40,7 +40,13 @@ class GenEvalReward(RewardModel):
     requires = ("images", "prompts")
     cpu_only = True
 
-    def __init__(self, strict: bool = False, shape_fit: float = 0.0, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        strict: bool = False,
+        shape_fit: float = 0.0,
+        correct: float = 0.0,
+        device: str | torch.device = "cpu",
+    ):
         """`strict`: the reward is GenEval's 0/1 `correct` instead of the partial credit.
         `shape_fit`: add this weight times the graded `shape_fit` (times `clean`) to an object
         prompt's score, so that a blob a little closer to the asked shape scores a little more
@@ -49,8 +55,15 @@ class GenEvalReward(RewardModel):
         super().__init__("cpu")
         if shape_fit < 0:
             raise ValueError(f"geneval: shape_fit must be >= 0, got {shape_fit}")
+        if correct < 0:
+            raise ValueError(f"geneval: correct must be >= 0, got {correct}")
+        if strict and correct:
+            raise ValueError(
+                "geneval: correct is a bonus on the partial credit; with strict the verdict is the score"
+            )
         self.strict = strict
         self.shape_fit = float(shape_fit)
+        self.correct = float(correct)
         self._ocr = None
 
     def accepts_prompt(self, prompt: str) -> bool:
@@ -91,6 +104,7 @@ class GenEvalReward(RewardModel):
             found = check_spec(spec, analyse(image))
             scores[i] = found["correct"] if self.strict else found["accuracy"]
             scores[i] += self.shape_fit * found["shape_fit"] * found["clean"]
+            scores[i] += self.correct * found["correct"]
             for k in PARTS:
                 parts[k][i] = found[k]
         if text_rows:

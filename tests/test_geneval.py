@@ -201,6 +201,24 @@ def test_the_reward_adds_the_weighted_shape_fit():
         get_reward_model("geneval", shape_fit=-1.0)
 
 
+def test_the_reward_adds_the_weighted_strict_verdict():
+    from mmrl.rewards import get_reward_model
+
+    right, d = _canvas(64)
+    draw_shape(d, "square", 32, 32, 14, COLOURS["red"])
+    wrong, d = _canvas(64)
+    draw_shape(d, "circle", 32, 32, 14, COLOURS["red"])
+    reward = get_reward_model("geneval", correct=2.0)
+    scored = reward.score_with_components(images=[right, wrong], prompts=["a red square"] * 2)
+    assert scored.components["correct"] == [1.0, 0.0]
+    assert scored.scores[0] == pytest.approx(1.0 + 2.0)  # full partial credit plus the bonus
+    assert scored.scores[1] == pytest.approx(2 / 3)  # colour and count only: no bonus
+    with pytest.raises(ValueError, match="correct must be >= 0"):
+        get_reward_model("geneval", correct=-1.0)
+    with pytest.raises(ValueError, match="with strict"):
+        get_reward_model("geneval", strict=True, correct=1.0)
+
+
 def test_the_shape_fit_term_cannot_be_collected_by_the_wrong_shape_noise_or_every_colour():
     """A policy hunting for the graded term: with weight 3, the asked-for shape still scores
     above the other two shapes in the asked colour, and noise or a patchwork of every colour

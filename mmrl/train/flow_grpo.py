@@ -742,9 +742,18 @@ def update_policy(
 
 def learning_rate(cfg: FlowConfig, updates: int) -> float:
     """The learning rate of optimizer step `updates` (0-based): `optim.lr` after a linear
-    warm-up over `optim.warmup_steps` steps."""
-    warmup = cfg.optim.warmup_steps
-    return cfg.optim.lr * min(1.0, (updates + 1) / warmup) if warmup > 0 else cfg.optim.lr
+    warm-up over `optim.warmup_steps` steps, then constant or decayed (`optim.decay`) to
+    `optim.min_lr_ratio` x lr at the run's last optimizer step."""
+    o = cfg.optim
+    warmup = o.warmup_steps
+    if warmup > 0 and updates < warmup:
+        return o.lr * (updates + 1) / warmup
+    if o.decay == "constant":
+        return o.lr
+    total = cfg.trainer.total_steps * cfg.trainer.inner_epochs * cfg.trainer.mini_batches
+    progress = min(1.0, max(0.0, (updates - warmup) / max(1, total - 1 - warmup)))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.decay == "cosine" else 1 - progress
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * shape)
 
 
 @torch.no_grad()
