@@ -51,7 +51,9 @@ class GenEvalReward(RewardModel):
         `shape_fit`: add this weight times the graded `shape_fit` (times `clean`) to an object
         prompt's score, so that a blob a little closer to the asked shape scores a little more
         even while the verdict is still wrong (the verdict and `correct` are unchanged). With
-        `strict` the term is added to the 0/1 verdict the same way."""
+        `strict` the term is added to the 0/1 verdict the same way. `correct`: add this weight
+        times the strict 0/1 verdict to the partial credit (not with `strict`, whose score the
+        verdict already is), so that crossing into "right" is worth more than one more credit."""
         super().__init__("cpu")
         if shape_fit < 0:
             raise ValueError(f"geneval: shape_fit must be >= 0, got {shape_fit}")

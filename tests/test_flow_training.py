@@ -4,6 +4,7 @@ directory, and a tiny SD3 pipeline whose JPEG-compressibility reward must rise."
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -96,25 +97,35 @@ def test_lr_warm_up_is_linear_then_constant_and_logged(cache):
         load_flow_config("text_to_image_jpeg", overrides=["optim.warmup_steps=-1"])
 
 
-def test_lr_decay_reaches_its_floor_at_the_last_optimizer_step(cache):
+def test_lr_schedule_decays_over_the_runs_optimizer_steps_as_grpos(cache):
+    from mmrl.config import load_config
     from mmrl.train.flow_grpo import learning_rate
+    from mmrl.train.grpo import lr_lambda
 
-    # 3 steps x 1 epoch x 2 mini-batches = 6 optimizer steps (0-5); warm-up over the first 2
+    # 3 steps x 1 epoch x 2 mini-batches = 6 optimizer steps (0-5); warm-up over the first 2,
+    # then 4 steps of decay toward 0 at step 6
     base = ["optim.lr=1e-3", "optim.warmup_steps=2", "trainer.total_steps=3", "trainer.mini_batches=2"]
-    linear = _cfg(cache, *base, "optim.decay=linear", "optim.min_lr_ratio=0.2")
+    linear = _cfg(cache, *base, "optim.schedule=linear")
     assert [learning_rate(linear, n) for n in range(7)] == pytest.approx(
-        [5e-4, 1e-3, 1e-3, 8e-4 * 2 / 3 + 2e-4, 8e-4 / 3 + 2e-4, 2e-4, 2e-4]
+        [5e-4, 1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4, 0.0]
     )
-    cosine = _cfg(cache, *base, "optim.decay=cosine")
-    assert [learning_rate(cosine, n) for n in range(2, 6)] == pytest.approx([1e-3, 7.5e-4, 2.5e-4, 0.0])
+    cosine = _cfg(cache, *base, "optim.schedule=cosine")
+    half = 0.5 * (1 + math.cos(math.pi / 4))
+    assert [learning_rate(cosine, n) for n in range(2, 6)] == pytest.approx(
+        [1e-3, 1e-3 * half, 5e-4, 1e-3 * (1 - half)]
+    )
     constant = _cfg(cache, *base)
     assert [learning_rate(constant, n) for n in range(2, 6)] == pytest.approx([1e-3] * 4)
-    for override, message in [
-        ("optim.decay=step", "optim.decay"),
-        ("optim.min_lr_ratio=1.5", "min_lr_ratio"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            load_flow_config("text_to_image_jpeg", overrides=[override])
+    # one schedule for both trainers: GRPO's factor at the same step count is the same
+    vlm = load_config(
+        "vision_reasoning",
+        overrides=["optim.schedule=cosine", "optim.warmup_steps=2", "trainer.total_steps=6"],
+    )
+    assert [1e-3 * lr_lambda(vlm)(n) for n in range(7)] == pytest.approx(
+        [learning_rate(cosine, n) for n in range(7)]
+    )
+    with pytest.raises(ValueError, match="optim.schedule must be one of constant, linear, cosine"):
+        load_flow_config("text_to_image_jpeg", overrides=["optim.schedule=step"])
 
 
 def test_geneval_prompt_kinds_choose_the_training_and_held_out_prompts():

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from mmrl.config import MlflowConfig, WandbConfig, load_structured, logger_checks
 from mmrl.models.image_base import ImageWarmupConfig
 from mmrl.models.tiny_diffusion import TinyDiffusionSpec
+from mmrl.train.schedule import SCHEDULES
 
 LORA_TARGETS = [
     "attn.to_q",
@@ -198,13 +199,11 @@ class FlowOptimConfig:
     ~lr whatever the gradient's size (its second moment is still one sample): with full
     fine-tuning on a policy gradient that is mostly noise, that first move alone can wreck the
     base."""
-    decay: str = "constant"
-    """After the warm-up: `constant` (flow-GRPO's), or `cosine` / `linear` decay to
-    `min_lr_ratio` x lr at the run's last optimizer step (`trainer.total_steps` x
-    `inner_epochs` x `mini_batches`): a policy that has found its gains keeps them instead of
+    schedule: str = "constant"
+    """After the warm-up: `constant` (flow-GRPO's), or `linear` / `cosine` decay to 0 over the
+    run's optimizer steps (`trainer.total_steps` x `inner_epochs` x `mini_batches`), as the
+    GRPO trainer's `optim.schedule`: a policy that has found its gains keeps them instead of
     drifting on at full step size."""
-    min_lr_ratio: float = 0.0
-    """The decayed learning rate's floor, as a share of `lr`."""
 
 
 @dataclass
@@ -341,10 +340,9 @@ class FlowConfig:
             (self.lora.rank >= 1, "lora.rank must be >= 1"),
             (self.optim.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
             (
-                self.optim.decay in ("constant", "cosine", "linear"),
-                f"optim.decay must be constant, cosine or linear, got {self.optim.decay!r}",
+                self.optim.schedule in SCHEDULES,
+                f"optim.schedule must be one of {', '.join(SCHEDULES)}, got {self.optim.schedule!r}",
             ),
-            (0 <= self.optim.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]"),
             (t.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
             (
                 t.mini_batches >= 1 and t.inner_epochs >= 1,

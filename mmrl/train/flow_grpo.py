@@ -58,6 +58,7 @@ from mmrl.train.flow_checkpoint import (
 )
 from mmrl.train.flow_config import FlowConfig, flow_config_dict, flow_config_to_yaml
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log, read_metrics
+from mmrl.train.schedule import schedule_factor
 
 log = logging.getLogger(__name__)
 
@@ -742,18 +743,11 @@ def update_policy(
 
 def learning_rate(cfg: FlowConfig, updates: int) -> float:
     """The learning rate of optimizer step `updates` (0-based): `optim.lr` after a linear
-    warm-up over `optim.warmup_steps` steps, then constant or decayed (`optim.decay`) to
-    `optim.min_lr_ratio` x lr at the run's last optimizer step."""
-    o = cfg.optim
-    warmup = o.warmup_steps
-    if warmup > 0 and updates < warmup:
-        return o.lr * (updates + 1) / warmup
-    if o.decay == "constant":
-        return o.lr
-    total = cfg.trainer.total_steps * cfg.trainer.inner_epochs * cfg.trainer.mini_batches
-    progress = min(1.0, max(0.0, (updates - warmup) / max(1, total - 1 - warmup)))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.decay == "cosine" else 1 - progress
-    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * shape)
+    warm-up over `optim.warmup_steps` steps, then by `optim.schedule` over the run's optimizer
+    steps (`trainer.total_steps` x `inner_epochs` x `mini_batches`)."""
+    o, t = cfg.optim, cfg.trainer
+    total = t.total_steps * t.inner_epochs * t.mini_batches
+    return o.lr * schedule_factor(o.schedule, updates, total, o.warmup_steps)
 
 
 @torch.no_grad()

@@ -75,6 +75,7 @@ from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
 from mmrl.train.rundir import create_run_dir, run_dir_path
+from mmrl.train.schedule import schedule_factor
 from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
@@ -1007,19 +1008,9 @@ def make_router(cfg: Config) -> Router:
 
 
 def lr_lambda(cfg: Config):
+    """`LambdaLR`'s factor for the run's `optim.schedule` (`mmrl.train.schedule`)."""
     o, total = cfg.optim, cfg.trainer.total_steps
-
-    def factor(step: int) -> float:
-        if o.warmup_steps and step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
-        if o.schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        if o.schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-
-    return factor
+    return lambda step: schedule_factor(o.schedule, step, total, o.warmup_steps)
 
 
 def seed_everything(seed: int) -> None:
