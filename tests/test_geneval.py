@@ -151,18 +151,19 @@ def test_shapes_are_told_apart():
 
 
 def test_shape_fit_grades_blobs_toward_the_asked_shape():
-    """`shape_fit` is the IoU with the ideal shape in the object's box: 1 for a full box asked
-    to be a square; a disc asked to be a square scores its share of the box (~pi / 4); a disc
-    with its corners filled in scores more as a square and less as a circle."""
+    """`shape_fit` is the IoU with the ideal shape of the object's centroid and spread: ~1 for a
+    drawn square asked to be a square; a disc asked to be a square scores what a unit disc shares
+    with the centred square of the same spread (half-side sqrt(3) / 2: IoU 0.827 in the
+    continuum); a disc with its corners filled in scores more as a square and less as a circle."""
     image, d = _canvas(64)
     draw_shape(d, "square", 32, 32, 14, COLOURS["red"])
     r = _check("a red square", image)
-    assert r["shape_fit"] == 1.0 and r["correct"] == 1.0
+    assert r["shape_fit"] > 0.95 and r["correct"] == 1.0
     image, d = _canvas(64)
     draw_shape(d, "circle", 32, 32, 14, COLOURS["red"])
     (disc,) = analyse(image).objects
-    assert disc.fit["square"] == pytest.approx(disc.area / 29**2)
-    assert disc.fit["square"] == pytest.approx(np.pi / 4, abs=0.03) and disc.fit["circle"] > 0.95
+    assert disc.fit["square"] == pytest.approx(0.827, abs=0.02) and disc.fit["circle"] > 0.95
+    assert disc.fit["triangle"] < disc.fit["square"]
     assert _check("a red square", image)["shape_fit"] == pytest.approx(disc.fit["square"])
     for cx, cy in ((21, 21), (43, 21), (21, 43), (43, 43)):  # fill the corners in (inside the box)
         d.rectangle([cx - 3, cy - 3, cx + 3, cy + 3], fill=COLOURS["red"])
@@ -174,7 +175,46 @@ def test_shape_fit_grades_blobs_toward_the_asked_shape():
     assert _check("a red triangle", image)["shape_fit"] > 0.9
     image, d = _canvas(64)
     d.polygon([(18, 18), (46, 18), (32, 46)], fill=COLOURS["red"])
-    assert _check("a red triangle", image)["shape_fit"] < 0.4
+    upside_down = _check("a red triangle", image)
+    assert upside_down["shape_fit"] < 0.6 and upside_down["shape"] == 0.0
+
+
+def _ragged(shape: str, rng: np.random.Generator, side: int = 32) -> Image.Image:
+    """A generator's imperfect drawing of `shape`: drawn 4x larger, slightly rotated (up to 8
+    degrees), squares with corners rounded by up to a quarter of the half-side, circles up to 8%
+    elliptical, box-filtered down and thresholded after noise on the coverage (ragged edges,
+    stray edge pixels)."""
+    big, r = side * 4, rng.uniform(4.5, 11) * 4
+    cx, cy = big / 2 + rng.uniform(-12, 12), big / 2 + rng.uniform(-12, 12)
+    cover = Image.new("L", (big, big), 0)
+    d = ImageDraw.Draw(cover)
+    if shape == "circle":
+        rx, ry = r * rng.uniform(0.92, 1.08), r * rng.uniform(0.92, 1.08)
+        d.ellipse([cx - rx, cy - ry, cx + rx, cy + ry], fill=255)
+    elif shape == "square":
+        d.rounded_rectangle([cx - r, cy - r, cx + r, cy + r], radius=rng.uniform(0, 0.25) * r, fill=255)
+    else:
+        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=255)
+    cover = cover.rotate(rng.uniform(-8, 8), resample=Image.BILINEAR, center=(cx, cy))
+    a = np.asarray(cover.resize((side, side), Image.BOX), dtype=np.float32) / 255
+    inside = a + rng.normal(0, rng.uniform(0.05, 0.2), a.shape) > 0.5
+    rgb = np.where(inside[..., None], np.array(COLOURS["blue"]), np.array(GREY)).astype(np.uint8)
+    return Image.fromarray(rgb)
+
+
+def test_ragged_drawings_keep_their_shape():
+    """Generated squares are rarely crisp: ragged edges and single stray pixels stretch the box
+    of a square until its fill of the box is a circle's. 300 seeded drawings per shape
+    (`_ragged`): at least 97% of each are named right (measured: 100% of all three; the earlier
+    rule, box fill and balance thresholds, named 54% of these squares right, 99.7% of the
+    circles and all triangles)."""
+    rng = np.random.default_rng(0)
+    for shape in ("circle", "square", "triangle"):
+        named = []
+        for _ in range(300):
+            objects = analyse(_ragged(shape, rng)).objects
+            named.append(bool(objects) and objects[0].shape == shape)
+        assert np.mean(named) >= 0.97, (shape, np.mean(named))
 
 
 def test_shape_fit_counts_like_shape_and_is_zero_without_the_colour():

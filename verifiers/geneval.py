@@ -11,9 +11,10 @@ built-in task, `mmrl.datasets.geneval`), so plain image analysis replaces the de
    `COLOUR_DISTANCE` of it (otherwise it is an edge blend or another colour: ignored);
 3. connected regions (4-neighbour) of one colour are candidate objects; one is an *object* when
    its area is at least `MIN_AREA` of the image, its box has an aspect ratio within
-   [1 / `MAX_ASPECT`, `MAX_ASPECT`] and it does not span most of the image; its shape comes from
-   the fill ratio of its box (square ~1, circle ~pi/4, triangle ~1/2) and how unevenly its area
-   is split between the halves of the box (a triangle's is);
+   [1 / `MAX_ASPECT`, `MAX_ASPECT`] and it does not span most of the image; its shape is the
+   ideal square, circle or up-pointing triangle it overlaps best (IoU), each matched to the
+   region's centroid and spread (`shape_fits`: moments, not the box, so that ragged edges and
+   stray edge pixels do not turn a square into a circle), `other` below `MIN_SHAPE_FIT`;
 4. the spec is checked, with partial credit per attribute: for each requested group (colour c,
    shape s, count n) with detected objects O_c of colour c, `colour` = [|O_c| >= 1], `count` =
    [|O_c| = n], `shape` = min(n, #{o in O_c of shape s}) / max(n, |O_c|); for a relation,
@@ -28,8 +29,8 @@ The image is the sample's only image (the generated one); the response text is n
 ground truth is the spec as a dict (`ImageSpec.to_dict()`); a `text` spec (a rendered word) is
 scored by the OCR reward, not here (`mmrl.rewards.geneval` routes it). Components: `accuracy`,
 `format` (1 when the image is a drawing at all), `colour`, `count`, `shape`, `shape_fit` (graded:
-the IoU of the asked-for colour's objects with the ideal asked-for shape in their boxes, counted
-like `shape`; `shape_fits`), `position` (NaN-free: 1 when no relation is asked), `clean`,
+the IoU of the asked-for colour's objects with the ideal asked-for shape, counted like `shape`;
+`shape_fits`), `position` (NaN-free: 1 when no relation is asked), `clean`,
 `correct`, `objects` (how many were detected).
 """
 
@@ -80,7 +81,7 @@ class DetectedObject:
     box: tuple[int, int, int, int]
     centroid: tuple[float, float]
     fit: dict[str, float] = field(default_factory=dict)
-    """IoU of the region with each ideal shape drawn in its box (`shape_fits`)."""
+    """IoU of the region with each moment-matched ideal shape (`shape_fits`); `shape` is the best."""
 
 
 @dataclass
@@ -131,15 +132,15 @@ def analyse(image: Image.Image | np.ndarray) -> Analysis:
             continue
         if max(bw / bh, bh / bw) > MAX_ASPECT:
             continue
-        shape = _shape(ys - y0, xs - x0, bw, bh, area)
+        fit = shape_fits(ys - y0, xs - x0, bw, bh)
         objects.append(
             DetectedObject(
                 _NAMES[colour],
-                shape,
+                _shape(fit),
                 area,
                 (x0, y0, x1, y1),
                 (float(xs.mean()), float(ys.mean())),
-                shape_fits(ys - y0, xs - x0, bw, bh),
+                fit,
             )
         )
     objects.sort(key=lambda o: -o.area)
@@ -166,38 +167,44 @@ def _regions(labels: np.ndarray):
         yield np.array(pixels), int(colour)
 
 
-def _shape(ys: np.ndarray, xs: np.ndarray, bw: int, bh: int, area: int) -> str:
-    """Shape of a region from its box-relative pixel coordinates (see the module docs)."""
-    fill = area / (bw * bh)
-    top = float((ys < (bh - 1) / 2).sum())
-    bottom = float((ys > (bh - 1) / 2).sum())
-    left = float((xs < (bw - 1) / 2).sum())
-    right = float((xs > (bw - 1) / 2).sum())
-    balance = min(min(top, bottom) / max(top, bottom, 1.0), min(left, right) / max(left, right, 1.0))
-    if fill >= 0.86 and balance >= 0.8:
-        return "square"
-    if 0.62 <= fill < 0.9 and balance >= 0.75:
-        return "circle"
-    if 0.35 <= fill < 0.72 and balance < 0.7:
-        return "triangle"
-    return "other"
+MIN_SHAPE_FIT = 0.5
+"""A region whose best `shape_fits` IoU is below this is shape `other`."""
+
+
+def _shape(fit: dict[str, float]) -> str:
+    """The verdict: the ideal shape the region overlaps best (`shape_fits`), `other` when even
+    that one covers too little of it."""
+    best = max(fit, key=fit.get)
+    return best if fit[best] >= MIN_SHAPE_FIT else "other"
 
 
 def shape_fits(ys: np.ndarray, xs: np.ndarray, bw: int, bh: int) -> dict[str, float]:
-    """IoU of a region (box-relative pixel coordinates) with the ideal square (its box), circle
-    (the ellipse inscribed in it) and triangle (pointing up, apex at the top centre) of its box.
+    """IoU of a region (box-relative pixel coordinates, box `bw` x `bh`) with the ideal square,
+    circle and triangle (pointing up) whose centroid and horizontal and vertical spread are the
+    region's (moment-matched).
 
-    A graded measure of how much a blob looks like each shape, for a reward that has to tell a
-    slightly squarer blob from a rounder one (`shape_fit`); the verdict is `_shape`'s."""
-    mask = np.zeros((bh, bw), dtype=bool)
-    mask[ys, xs] = True
-    y, x = np.mgrid[0:bh, 0:bw]
-    u = (x + 0.5) / bw * 2 - 1  # [-1, 1] across the box, pixel centres
-    v = (y + 0.5) / bh  # [0, 1] down the box
+    Matching by moments, not by the bounding box, is what makes the measure robust to the edges
+    a generator draws: one stray pixel or a ragged row on an edge moves a box by a pixel or two
+    (on a 20-pixel square that alone drops its fill of the box to a circle's), but the moments
+    hardly at all. Each ideal shape of a uniform density gets the size its own spread implies:
+    a rectangle of half-sides sqrt(3) sigma, an ellipse of semi-axes 2 sigma, a triangle of base
+    sqrt(24) sigma_x and height sqrt(18) sigma_y with its centroid 2/3 of the height below the
+    apex. The verdict is the best fit (`_shape`); the graded `shape_fit` is the asked shape's."""
+    ys = np.asarray(ys, dtype=np.float64)
+    xs = np.asarray(xs, dtype=np.float64)
+    cx, cy = xs.mean(), ys.mean()
+    sx, sy = max(float(xs.std()), 0.3), max(float(ys.std()), 0.3)
+    pad = 4  # an ideal shape may reach past the region's box; triangles by about a pixel
+    mask = np.zeros((bh + 2 * pad, bw + 2 * pad), dtype=bool)
+    mask[ys.astype(np.int64) + pad, xs.astype(np.int64) + pad] = True
+    y, x = np.mgrid[0 : bh + 2 * pad, 0 : bw + 2 * pad].astype(np.float64)
+    x, y = x - pad - cx, y - pad - cy  # pixel centres relative to the centroid
+    base, height = np.sqrt(24.0) * sx, np.sqrt(18.0) * sy
+    v = (y + 2.0 * height / 3.0) / height  # 0 at the apex, 1 at the base
     templates = {
-        "square": np.ones_like(mask),
-        "circle": u**2 + (2 * v - 1) ** 2 <= 1,
-        "triangle": np.abs(u) <= v,
+        "square": (np.abs(x) <= np.sqrt(3.0) * sx) & (np.abs(y) <= np.sqrt(3.0) * sy),
+        "circle": (x / (2.0 * sx)) ** 2 + (y / (2.0 * sy)) ** 2 <= 1.0,
+        "triangle": (v >= 0.0) & (v <= 1.0) & (np.abs(x) <= v * base / 2.0),
     }
     return {name: float((mask & t).sum() / max(1, (mask | t).sum())) for name, t in templates.items()}
 
