@@ -326,14 +326,16 @@ SHARED_BASE = [
 ]
 
 
-def learning_run(cache: str, run, seed: int = 0):
-    """The recipe on the shared base for 40 steps (no evaluation but the two ends)."""
+def learning_run(cache: str, run, seed: int = 0, halves: str = "planner,decoder"):
+    """The recipe on the shared base for 40 steps, training `halves` (no evaluation but the two
+    ends): each step's planner and decoder training rewards."""
     from mmrl.train.decoupled import run_decoupled
 
     cfg = load_decoupled_config(
         overrides=[
             f"model.cache_dir={cache}",
             *SHARED_BASE,
+            f"train_halves=[{halves}]",
             "trainer.total_steps=40",
             "trainer.eval_every=0",
             f"trainer.seed={seed}",
@@ -355,22 +357,27 @@ def learning_run(cache: str, run, seed: int = 0):
 
 
 @pytest.mark.slow
-def test_both_halves_of_the_decoupled_generator_learn(mmrl_cache, tmp_path):
-    """Over 40 steps of the recipe both halves' training rewards rise: the planner's (its plans'
-    images against what the request means) and the decoder's (each image against its plan),
-    comparing the means of the first and the last 10 steps.
+def test_each_half_of_the_decoupled_generator_learns(mmrl_cache, tmp_path):
+    """Over 40 steps of the recipe with only that half trained, each half's training reward
+    rises: the planner's (its plans' images against what the request means) and the decoder's
+    (each image against its plan), comparing the means of the first and the last 10 steps.
 
-    Measured on the 2-core machine (one torch thread, this shared base, ~3.5 min a run): planner
-    0.367 -> 0.509 and 0.362 -> 0.480 (+0.142 / +0.118, trainer seeds 0 / 1), decoder 2.344 ->
-    2.832 and 2.330 -> 2.574 (+0.488 / +0.244). The same difference with the half frozen (the
-    recipe's base, `train_halves` of the other half only) was +0.03 for the planner and -0.01 for
-    the decoder: that is the noise the margins must clear. Each margin is half the smaller
-    measured gain (0.06 and 0.12), twice or more the frozen half's drift."""
-    planner, decoder = learning_run(mmrl_cache, tmp_path / "run")
-    assert len(planner) == len(decoder) == 40
+    One half at a time, because each half's reward also moves when only the other learns: a
+    planner that learns writes plans this decoder draws well, a decoder that learns draws the
+    plans better. Measured on the 2-core machine (one torch thread, this shared base, trainer
+    seeds 0 / 1): planner alone, planner +0.172 / +0.082 (the frozen decoder's reward +0.227 /
+    -0.057); decoder alone, decoder +0.149 / +0.225 (the frozen planner's +0.064 / +0.062); both
+    trained, planner +0.160 / +0.102, decoder +0.410 / +0.341. Nothing trained (planner alone at
+    lr 0): planner +0.020 / +0.039, decoder +0.029 / -0.007, the noise the margins must clear.
+    The planner's margin is just above that noise and about half its smaller gain (0.045); the
+    decoder's is half its smaller gain (0.075), well above."""
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    assert mean(planner[-10:]) > mean(planner[:10]) + 0.06, (planner[:10], planner[-10:])
-    assert mean(decoder[-10:]) > mean(decoder[:10]) + 0.12, (decoder[:10], decoder[-10:])
+    planner, _ = learning_run(mmrl_cache, tmp_path / "planner", halves="planner")
+    assert len(planner) == 40
+    assert mean(planner[-10:]) > mean(planner[:10]) + 0.045, (planner[:10], planner[-10:])
+    _, decoder = learning_run(mmrl_cache, tmp_path / "decoder", halves="decoder")
+    assert len(decoder) == 40
+    assert mean(decoder[-10:]) > mean(decoder[:10]) + 0.075, (decoder[:10], decoder[-10:])
 
 
 def test_a_vlm_judge_is_routed_to_the_planner_through_a_real_step(mmrl_cache, tmp_path):

@@ -413,17 +413,16 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp
     partial-credit GenEval score (`eval/geneval/score`: ODE sampler, EMA weights, 96 prompts)
     must rise over 30 RL steps.
 
-    It runs the `text_to_image` recipe on the earlier base (800 steps, shapes drawn 1.4x; 33%
-    held-out strict accuracy; the recipe's own is 1,600 steps at 1.7x and 68-74%) without the
-    `shape_fit` term, the setting whose
-    gain was measured over four runs on the 2-core machine (one torch thread): held-out score at
-    step 0 -> 30 was 0.675 -> 0.737 (seed 0, 96 prompts), 0.684 -> 0.766 (seed 1, 96 prompts),
-    0.672 -> 0.729 and 0.669 -> 0.736 (seeds 0 and 1, 288 prompts): +0.057 to +0.082; the bar is
-    about half of the smallest. (From a 1,600-step base the score starts at 0.82 or more, too
-    close to its ceiling for a test of this size.) Strict accuracy is not asserted: over
-    the same runs it moved 29.2 -> 38.5, 43.8 -> 42.7 and 33.0 -> 35.4 %, within the
-    evaluation's own noise (the same base scores 29.2 % or 43.8 % on 96 prompts depending only on
-    the evaluation seed)."""
+    It runs the `text_to_image` recipe's RL (partial credit + 3 x `shape_fit` + 1 x the strict
+    verdict, cosine lr, here over 30 steps) on an earlier, cheaper base (800 steps, shapes drawn
+    1.4x; 31-40% held-out strict accuracy; the recipe's own is 1,200 steps at 1.7x and 71%).
+    Measured on the 2-core machine (one torch thread, the current verifier): held-out score at
+    step 0 -> 30 was 0.709 -> 0.761, 0.646 -> 0.728 and 0.660 -> 0.744 (trainer seeds 0-2): +0.052 to
+    +0.084; the bar is half of the smallest. (The earlier RL, no strict verdict and a
+    constant lr, gave +0.039 for seed 0.) Strict accuracy is not asserted: over 96 prompts it
+    moved 39.6 -> 40.6, 32.3 -> 36.5 and 31.2 -> 34.4 %, within the evaluation's own noise (the same base
+    scores 31.2 % to 39.6 % depending only on the evaluation seed); the recipe's +20 points are
+    measured in the README, not here (a run is 8 minutes)."""
     cfg = load_flow_config(
         "text_to_image",
         overrides=[
@@ -432,7 +431,6 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp
             "model.warmup.object_scale=1.4",
             "model.warmup.eval_every=200",
             "model.warmup.target_accuracy=0.3",
-            "reward.kwargs.geneval.shape_fit=0.0",
             "trainer.total_steps=30",
             "trainer.eval_every=0",
             "trainer.eval_size=96",
@@ -446,7 +444,7 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp
     records = read_metrics(result.run_dir / "metrics.jsonl")
     scores = {r["step"]: r["eval/geneval/score"] for r in records if "eval/geneval/score" in r}
     assert sorted(scores) == [0, 30]
-    assert scores[30] > scores[0] + 0.03, scores
+    assert scores[30] > scores[0] + 0.026, scores
 
 
 def test_reward_components_are_averaged_for_the_log():
