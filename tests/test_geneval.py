@@ -22,7 +22,14 @@ from mmrl.datasets.geneval import (
 )
 from mmrl.types import RewardSpec, Sample, VerifyContext
 from mmrl.verifiers import get_verifier
-from mmrl.verifiers.geneval import DetectedObject, analyse, check_spec, relative_position
+from mmrl.verifiers.geneval import (
+    MIN_SHAPE_FIT,
+    DetectedObject,
+    analyse,
+    check_spec,
+    relative_position,
+    shape_fits,
+)
 from mmrl.verifiers.registry import SampleFieldError
 
 GREY = (236, 236, 236)
@@ -177,6 +184,46 @@ def test_shape_fit_grades_blobs_toward_the_asked_shape():
     d.polygon([(18, 18), (46, 18), (32, 46)], fill=COLOURS["red"])
     upside_down = _check("a red triangle", image)
     assert upside_down["shape_fit"] < 0.6 and upside_down["shape"] == 0.0
+
+
+def _fits_on_a_wide_grid(ys: np.ndarray, xs: np.ndarray) -> dict[str, float]:
+    """The same moment-matched IoUs worked out on a grid far wider than any template reaches."""
+    cx, cy, sx, sy = xs.mean(), ys.mean(), max(xs.std(), 0.3), max(ys.std(), 0.3)
+    y, x = np.mgrid[-200:200, -200:200].astype(np.float64)
+    mask = np.zeros(x.shape, dtype=bool)
+    mask[ys + 200, xs + 200] = True
+    x, y = x - cx, y - cy
+    height = np.sqrt(18.0) * sy
+    v = (y + 2.0 * height / 3.0) / height
+    templates = {
+        "square": (np.abs(x) <= np.sqrt(3.0) * sx) & (np.abs(y) <= np.sqrt(3.0) * sy),
+        "circle": (x / (2 * sx)) ** 2 + (y / (2 * sy)) ** 2 <= 1.0,
+        "triangle": (v >= 0) & (v <= 1) & (np.abs(x) <= v * np.sqrt(24.0) * sx / 2),
+    }
+    return {k: (mask & t).sum() / (mask | t).sum() for k, t in templates.items()}
+
+
+@pytest.mark.parametrize("outline", ["square", "circle", "cross", "corner", "bar"])
+def test_shape_fits_never_clip_a_template(outline):
+    """Hollow and lopsided regions spread their pixels far from the centroid, so the ideal
+    shapes matched to them reach well past their boxes; a template cut off at the grid's edge
+    would shrink the union and inflate the IoU. The fits equal a wide-grid computation."""
+    n = 21
+    y, x = np.mgrid[0:n, 0:n]
+    region = {
+        "square": (x == 0) | (x == n - 1) | (y == 0) | (y == n - 1),
+        "circle": np.abs(np.hypot(x - 10, y - 10) - 10) < 0.7,
+        "cross": (x == 10) | (y == 10),
+        "corner": (x == 0) | (y == n - 1),
+        "bar": (y == 0) | ((x == 10) & (y > n - 4)),
+    }[outline]
+    ys, xs = np.nonzero(region)
+    bw, bh = int(xs.max()) + 1, int(ys.max()) + 1
+    fits = shape_fits(ys, xs, bw, bh)
+    expected = _fits_on_a_wide_grid(ys, xs)
+    for name in fits:
+        assert fits[name] == pytest.approx(expected[name], abs=1e-12), (name, fits, expected)
+    assert max(fits.values()) < MIN_SHAPE_FIT  # none of these is a square, circle or triangle
 
 
 def _ragged(shape: str, rng: np.random.Generator, side: int = 32) -> Image.Image:

@@ -194,11 +194,19 @@ def shape_fits(ys: np.ndarray, xs: np.ndarray, bw: int, bh: int) -> dict[str, fl
     xs = np.asarray(xs, dtype=np.float64)
     cx, cy = xs.mean(), ys.mean()
     sx, sy = max(float(xs.std()), 0.3), max(float(ys.std()), 0.3)
-    pad = 4  # an ideal shape may reach past the region's box; triangles by about a pixel
-    mask = np.zeros((bh + 2 * pad, bw + 2 * pad), dtype=bool)
-    mask[ys.astype(np.int64) + pad, xs.astype(np.int64) + pad] = True
-    y, x = np.mgrid[0 : bh + 2 * pad, 0 : bw + 2 * pad].astype(np.float64)
-    x, y = x - pad - cx, y - pad - cy  # pixel centres relative to the centroid
+    # The grid covers every template whole, wherever it reaches past the region's box (a
+    # clipped template would shrink the union and inflate the IoU): from the centroid the
+    # templates reach sqrt(6) sigma_x sideways (the triangle's base), 2 sqrt(2) sigma_y up (its
+    # apex) and 2 sigma_y down (the ellipse).
+    reach_x, up, down = np.sqrt(6.0) * sx, 2.0 * np.sqrt(2.0) * sy, 2.0 * sy
+    left = int(np.ceil(max(0.0, reach_x - cx))) + 1
+    right = int(np.ceil(max(0.0, cx + reach_x - (bw - 1)))) + 1
+    top = int(np.ceil(max(0.0, up - cy))) + 1
+    bottom = int(np.ceil(max(0.0, cy + down - (bh - 1)))) + 1
+    mask = np.zeros((top + bh + bottom, left + bw + right), dtype=bool)
+    mask[ys.astype(np.int64) + top, xs.astype(np.int64) + left] = True
+    y, x = np.mgrid[0 : mask.shape[0], 0 : mask.shape[1]].astype(np.float64)
+    x, y = x - left - cx, y - top - cy  # pixel centres relative to the centroid
     base, height = np.sqrt(24.0) * sx, np.sqrt(18.0) * sy
     v = (y + 2.0 * height / 3.0) / height  # 0 at the apex, 1 at the base
     templates = {
