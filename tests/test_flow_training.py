@@ -417,10 +417,11 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp
     verdict, cosine lr, here over 30 steps) on an earlier, cheaper base (800 steps, shapes drawn
     1.4x; 31-40% held-out strict accuracy; the recipe's own is 1,200 steps at 1.7x and 71%).
     Measured on the 2-core machine (one torch thread, the current verifier): held-out score at
-    step 0 -> 30 was 0.709 -> 0.761, 0.646 -> 0.728 and 0.660 -> 0.744 (trainer seeds 0-2): +0.052 to
-    +0.084; the bar is half of the smallest. (The earlier RL, no strict verdict and a
-    constant lr, gave +0.039 for seed 0.) Strict accuracy is not asserted: over 96 prompts it
-    moved 39.6 -> 40.6, 32.3 -> 36.5 and 31.2 -> 34.4 %, within the evaluation's own noise (the same base
+    step 0 -> 30 was 0.709 -> 0.751, 0.646 -> 0.734 and 0.660 -> 0.751 (trainer seeds 0-2):
+    +0.042 to +0.091; the bar is half of the smallest. (Before the last `shape_fits` fix, which
+    moves fits by at most 0.01, the same runs gave +0.052 to +0.084, and the earlier RL, no strict
+    verdict and a constant lr, +0.039 for seed 0.) Strict accuracy is not asserted: over 96
+    prompts it moved 39.6 -> 41.7, 32.3 -> 36.5 and 31.2 -> 36.5 %, within the evaluation's own noise (the same base
     scores 31.2 % to 39.6 % depending only on the evaluation seed); the recipe's +20 points are
     measured in the README, not here (a run is 8 minutes)."""
     cfg = load_flow_config(
@@ -444,7 +445,7 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp
     records = read_metrics(result.run_dir / "metrics.jsonl")
     scores = {r["step"]: r["eval/geneval/score"] for r in records if "eval/geneval/score" in r}
     assert sorted(scores) == [0, 30]
-    assert scores[30] > scores[0] + 0.026, scores
+    assert scores[30] > scores[0] + 0.021, scores
 
 
 def test_reward_components_are_averaged_for_the_log():
