@@ -423,7 +423,7 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp
     verdict and a constant lr, +0.039 for seed 0.) Strict accuracy is not asserted: over 96
     prompts it moved 39.6 -> 41.7, 32.3 -> 36.5 and 31.2 -> 36.5 %, within the evaluation's own noise (the same base
     scores 31.2 % to 39.6 % depending only on the evaluation seed); the recipe's +20 points are
-    measured in the README, not here (a run is 8 minutes)."""
+    measured in the README, not here (a run is 7.5 minutes)."""
     cfg = load_flow_config(
         "text_to_image",
         overrides=[
