@@ -326,7 +326,7 @@ SHARED_BASE = [
 ]
 
 
-def learning_run(cache: str, run, seed: int = 0, halves: str = "planner,decoder"):
+def learning_run(cache: str, run, *, halves: str, seed: int = 0):
     """The recipe on the shared base for 40 steps, training `halves` (no evaluation but the two
     ends): each step's planner and decoder training rewards."""
     from mmrl.train.decoupled import run_decoupled

@@ -421,9 +421,9 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp
     +0.042 to +0.091; the bar is half of the smallest. (Before the last `shape_fits` fix, which
     moves fits by at most 0.01, the same runs gave +0.052 to +0.084, and the earlier RL, no strict
     verdict and a constant lr, +0.039 for seed 0.) Strict accuracy is not asserted: over 96
-    prompts it moved 39.6 -> 41.7, 32.3 -> 36.5 and 31.2 -> 36.5 %, within the evaluation's own noise (the same base
-    scores 31.2 % to 39.6 % depending only on the evaluation seed); the recipe's +20 points are
-    measured in the README, not here (a run is 7.5 minutes)."""
+    prompts it moved 39.6 -> 41.7, 32.3 -> 36.5 and 31.2 -> 36.5 %, within the evaluation's own
+    noise (the same base scores 31.2 % to 39.6 % depending only on the evaluation seed); the
+    recipe's +20 points are measured in the README, not here (a run is 7.5 minutes)."""
     cfg = load_flow_config(
         "text_to_image",
         overrides=[
