@@ -183,7 +183,7 @@ class RewardConfig:
     update_while_scoring: bool = True
     """With `overlap`: start the update on the first mini-batch once its groups are scored,
     while later groups are still being scored. Taken when the advantage estimator is
-    group-local (grpo, dr_grpo, rloo, remax, opo, pass_at_k), `trainer.mini_batches` > 1, no reward model scores the
+    group-local (grpo, dr_grpo, rloo, remax, opo, pass_at_k, grpo_passk), `trainer.mini_batches` > 1, no reward model scores the
     batch and the update runs in this process; the update is the same as without it. One
     difference: a non-finite reward found after a mini-batch was already stepped on stops the
     update there (the step is counted as skipped) instead of skipping the whole step."""
@@ -211,9 +211,10 @@ class AlgoConfig:
     # -- advantages --
     advantage: str = "grpo"
     """Advantage estimator: grpo, dr_grpo (no std division), rloo, reinforce_pp (batch
-    normalisation), reinforce_pp_baseline (group mean, then batch normalisation), gdpo, remax
+    whitening per token), reinforce_pp_baseline (group mean, then the same), gdpo, remax
     (a greedy response's reward as baseline), opo (length-weighted group baseline), gpg
-    (group mean, rescaled by the share of informative rows), pass_at_k (optimises pass@k)."""
+    (group mean, rescaled by the share of informative rows), pass_at_k (optimises pass@k),
+    grpo_passk (veRL's: only each group's best response, by its margin over the runner-up)."""
     adv_eps: float = 1e-6
     """Added to standard deviations before dividing."""
     adv_clip: float = 0.0
@@ -234,6 +235,8 @@ class AlgoConfig:
     ratio), clip_cov or kl_cov (Cui et al. 2025: no gradient for / a KL penalty on the tokens of
     highest log-prob/advantage covariance), gmpo (geometric mean of token ratios), sapo (soft
     sigmoid gate instead of the clip), gpg (plain -A log pi)."""
+    cispo_seq_floor: bool = False
+    """cispo_seq: also bound the sequence weight below at 1 - clip_low (TRL has no lower bound)."""
     sapo_tau_pos: float = 1.0
     """sapo: gate temperature of positive-advantage tokens (the paper's 1.0)."""
     sapo_tau_neg: float = 1.05
@@ -278,7 +281,11 @@ class AlgoConfig:
     tis_low: float = 0.0
     """tis_mode=band: the band's lower bound (0: 1 / tis_cap)."""
     tis_batch_norm: bool = False
-    """Divide the IS weights by their batch mean (mean 1; veRL's rollout_is_batch_normalize)."""
+    """Divide the IS weights by their batch mean (veRL's rollout_is_batch_normalize)."""
+    tis_batch_norm_scope: str = "verl"
+    """tis_batch_norm's mean: `verl` (veRL's order: the truncated weights over every loss token
+    before rejection and IS masking) or `kept` (the applied weights over the loss mask left
+    after rejection, IS-masked tokens counting as 0: they then average exactly 1)."""
     rejection: str = "off"
     """Rollout rejection: drop whole responses whose pi_trainer / pi_rollout is out of
     [rejection_low, rejection_high]: off, geometric (geometric-mean ratio), sequence (product)
@@ -773,6 +780,10 @@ class Config:
                 a.advantage != "pass_at_k" or (a.overlong_buffer == 0 and not a.kl_in_reward),
                 "algo.advantage=pass_at_k needs binary rewards: no algo.overlong_buffer, no algo.kl_in_reward",
             ),
+            (
+                a.advantage != "grpo_passk" or self.rollout.group_size >= 2,
+                "algo.advantage=grpo_passk needs rollout.group_size >= 2 (a best and a runner-up)",
+            ),
             (a.advantage != "remax" or local, "algo.advantage=remax needs trainer.backend=local"),
             (
                 a.sapo_tau_pos > 0 and a.sapo_tau_neg > 0,
@@ -896,6 +907,10 @@ class Config:
                 "algo.tis_mode=band needs tis_cap > 1 or tis_low set",
             ),
             (not a.tis_batch_norm or a.tis != "off", "algo.tis_batch_norm needs algo.tis=token or sequence"),
+            (
+                a.tis_batch_norm_scope in ("verl", "kept"),
+                f"algo.tis_batch_norm_scope must be verl or kept, got {a.tis_batch_norm_scope!r}",
+            ),
             (
                 a.rejection in ("off", "geometric", "sequence", "max_token"),
                 "algo.rejection must be off, geometric, sequence or max_token",
