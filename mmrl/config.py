@@ -10,6 +10,7 @@ with the full key name (OmegaConf structured configs do the checking).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -410,6 +411,39 @@ class MlflowConfig:
     """Run tags."""
 
 
+MAX_CONFIG_INT = 2**63 - 1
+"""Largest magnitude of an integer config value: it must fit the 64-bit integers that torch,
+numpy and the step counters hold it in (the reward server's limit for `step` too)."""
+
+
+def number_checks(obj: Any, prefix: str = "") -> list[tuple[bool, str]]:
+    """Every number of a config dataclass (nested ones and lists included) usable at all: an
+    integer within +-(2^63 - 1) and a float finite (NaN and infinities refused; no field gives
+    them a meaning). Range rules of single fields come on top, in each `__post_init__`."""
+    checks: list[tuple[bool, str]] = []
+    for f in dataclasses.fields(obj):
+        checks += _value_checks(getattr(obj, f.name), f"{prefix}{f.name}")
+    return checks
+
+
+def _value_checks(value: Any, key: str) -> list[tuple[bool, str]]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return number_checks(value, f"{key}.")
+    if isinstance(value, (list, tuple)):
+        return [c for i, item in enumerate(value) for c in _value_checks(item, f"{key}[{i}]")]
+    if isinstance(value, dict):
+        return [c for k, item in value.items() for c in _value_checks(item, f"{key}.{k}")]
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int) and abs(value) > MAX_CONFIG_INT:
+        return [
+            (False, f"{key} must be within +-(2^63 - 1), got an integer of {len(str(abs(value)))} digits")
+        ]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(False, f"{key} must be a finite number, got {value}")]
+    return []
+
+
 def logger_checks(trainer: Any) -> list[tuple[bool, str]]:
     """Checks of `trainer.loggers` and the trackers' settings (both trainers' configs)."""
     loggers = trainer.loggers
@@ -561,6 +595,9 @@ class Config:
     """The loop: steps, batch sizes, evaluation, run directory."""
 
     def __post_init__(self) -> None:
+        for ok, message in number_checks(self):  # first: the checks below compute with them
+            if not ok:
+                raise ValueError(f"invalid config: {message}")
         t, d, r = self.trainer, self.data, self.rollout
         checks = [
             (t.total_steps >= 1, f"trainer.total_steps must be >= 1, got {t.total_steps}"),
@@ -609,9 +646,13 @@ class Config:
             (self.reward.time_limit_s > 0, "reward.time_limit_s must be > 0"),
             (self.reward.on_error in ("zero", "drop"), "reward.on_error must be zero or drop"),
             (self.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
-            (self.trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
             (
-                (self.trainer.prompts_per_step * self.rollout.group_size) % self.trainer.mini_batches == 0,
+                self.trainer.mini_batches >= 1,
+                f"trainer.mini_batches must be >= 1, got {self.trainer.mini_batches}",
+            ),
+            (
+                self.trainer.mini_batches < 1  # reported above (a modulo by 0 would raise here)
+                or (self.trainer.prompts_per_step * self.rollout.group_size) % self.trainer.mini_batches == 0,
                 "trainer.mini_batches must divide prompts_per_step * group_size",
             ),
             (
@@ -715,6 +756,7 @@ class Config:
             ),
             (
                 self.trainer.train_workers == 1
+                or self.trainer.mini_batches * self.trainer.train_workers < 1  # reported elsewhere
                 or (self.trainer.prompts_per_step * self.rollout.group_size)
                 % (self.trainer.mini_batches * self.trainer.train_workers)
                 == 0,
@@ -990,14 +1032,7 @@ def load_structured(
         where = f"configs/{task}.yaml"
         merged = _merge(merged, _yaml(recipe.read_text(), where), where)
     if config_file is not None:
-        path = Path(config_file)
-        if not path.exists():
-            raise FileNotFoundError(f"config file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-        merged = _merge(merged, _yaml(text, str(path)), str(path))
+        merged = merge_config_file(merged, config_file)
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
@@ -1006,11 +1041,45 @@ def load_structured(
             dotlist = OmegaConf.from_dotlist(list(overrides))
         except Exception as exc:  # noqa: BLE001 - OmegaConf and YAML errors alike, on one line
             raise _config_error(f"invalid override in {list(overrides)}: {_one_line(exc)}", exc) from None
-        merged = _merge(merged, dotlist, "overrides")
+        merged = merge_config_values(merged, dotlist, "overrides")
+    return config_object(merged)
+
+
+def merge_config_file(merged: Any, config_file: str | Path) -> Any:
+    """`merged` (an OmegaConf structured config) with a YAML file on top; a missing file is
+    `FileNotFoundError`, everything else wrong (a folder, not UTF-8, bad YAML at file:line:column,
+    an unknown key with the closest known one, a wrong type) a one-line `ConfigError` naming it."""
+    path = Path(config_file)
+    return _merge(merged, _yaml(read_config_file(path), str(path)), str(path))
+
+
+def merge_config_values(merged: Any, values: Any, where: str) -> Any:
+    """`merged` with `values` (a mapping or OmegaConf config) on top; errors name `where`."""
+    return _merge(merged, values, where)
+
+
+def config_object(merged: Any) -> Any:
+    """The dataclass instance of an OmegaConf structured config (its `__post_init__` checks
+    run); OmegaConf's errors as one-line `ConfigError`s."""
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _config_error(f"invalid config: {_describe(exc)}", exc) from None
+
+
+def read_config_file(path: Path) -> str:
+    """The text of a YAML config file; a missing file is `FileNotFoundError`, a folder, an
+    unreadable file or text that is not UTF-8 a `ConfigError`, each naming the path."""
+    if not path.exists():
+        raise FileNotFoundError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a config file (give a .yaml file)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
 
 
 class ConfigError(ValueError):
@@ -1039,14 +1108,30 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _describe(exc: OmegaConfBaseException) -> str:
-    """OmegaConf's multi-line message as one line with the full key."""
+    """OmegaConf's multi-line message as one line with the full key (and, for an unknown key,
+    the closest known ones)."""
     key = getattr(exc, "full_key", None)
     message = _one_line(exc)
     if isinstance(exc, ConfigKeyError) and key:
-        return f"unknown key {key!r}"
+        return f"unknown key {key!r}{did_you_mean(key, getattr(exc, 'object_type', None))}"
     if key and key not in message:
         return f"{key}: {message}"
     return message
+
+
+def did_you_mean(key: str, schema: Any) -> str:
+    """` (did you mean 'trainer.total_steps'?)` for an unknown dotted `key` whose parent is the
+    dataclass `schema`, naming its closest field (difflib); "" when none is close."""
+    import difflib
+
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        return ""
+    parent, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(schema)], n=1, cutoff=0.6)
+    if not close:
+        return ""
+    suggestion = f"{parent}.{close[0]}" if parent else close[0]
+    return f" (did you mean {suggestion!r}?)"
 
 
 def _merge(base: Any, extra: Any, where: str) -> Any:
@@ -1119,6 +1204,9 @@ def _yaml(text: str, where: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or _one_line(exc)
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and start is not None:  # where the unclosed bracket or quote began
+            problem += f" ({context} at line {start.line + 1}, column {start.column + 1})"
         raise ConfigError(f"{where}{at}: invalid YAML: {problem}") from None
     except OmegaConfBaseException as exc:
         raise _config_error(f"{where}: {_describe(exc)}", exc) from None

@@ -112,13 +112,18 @@ class ServeConfig:
 
     def validate(self) -> None:
         """Raise `ValueError` naming the setting that is unusable."""
+        from mmrl.config import number_checks
+
+        for ok, message in number_checks(self):
+            if not ok:
+                raise ValueError(message)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0 (0: one per core), got {self.workers}")
         if self.label_mode not in LABEL_MODES:
             raise ValueError(f"label_mode must be one of {list(LABEL_MODES)}, got {self.label_mode!r}")
-        for name in ("time_limit_s", "request_timeout_s", "head_timeout_s"):
+        for name in ("time_limit_s", "request_timeout_s", "head_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kill_grace_s < 0:
@@ -201,18 +206,16 @@ def load_serve_config(
     (only when no token is configured); validated."""
     from omegaconf import OmegaConf
 
+    from mmrl.config import config_object, merge_config_file, merge_config_values
+
     merged = OmegaConf.structured(ServeConfig)
     if config_file is not None:
-        path = Path(config_file)
-        if not path.exists():
-            raise FileNotFoundError(f"config file not found: {path}")
-        loaded = OmegaConf.create(path.read_text())
-        if not isinstance(loaded, type(OmegaConf.create({}))):
-            raise ValueError(f"{path}: expected a mapping at the top level")
-        merged = OmegaConf.merge(merged, loaded)
+        # The training config's reader: a folder, non-UTF-8 text, bad YAML (file:line:column) and
+        # unknown keys (with the closest known one) are one-line errors naming the file.
+        merged = merge_config_file(merged, config_file)
     if overrides:
-        merged = OmegaConf.merge(merged, {k: v for k, v in overrides.items() if v is not None})
-    cfg: ServeConfig = OmegaConf.to_object(merged)
+        merged = merge_config_values(merged, {k: v for k, v in overrides.items() if v is not None}, "options")
+    cfg: ServeConfig = config_object(merged)
     cfg.host = bind_host(cfg.host)
     if cfg.token is None and os.environ.get(TOKEN_ENV):
         cfg.token = os.environ[TOKEN_ENV]
