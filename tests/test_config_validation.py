@@ -243,3 +243,10 @@ def test_serve_refuses_unusable_numbers(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=re.escape(message)):
         load_serve_config(path)
+
+
+def test_the_flow_config_refuses_unusable_numbers_too():
+    from mmrl.train.flow_config import load_flow_config
+
+    with pytest.raises(ValueError, match="invalid config: trainer.total_steps must be within"):
+        load_flow_config(overrides=[f"trainer.total_steps={10**23}"])
