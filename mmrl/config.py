@@ -24,6 +24,7 @@ from mmrl.models.precision import DTYPES
 from mmrl.models.tiny import TinyVLMSpec
 from mmrl.models.tiny import architectures as tiny_architectures
 from mmrl.rewards.config import ModelRewardsConfig
+from mmrl.types import AnswerLimits
 
 DTYPE_NAMES = ("auto", *DTYPES)
 
@@ -199,6 +200,11 @@ class RewardConfig:
     plugins: list[str] = field(default_factory=list)
     """Python modules to import (here and in every verifier worker) that register extra
     verifiers with `@register_verifier`."""
+    answer_limits: AnswerLimits = field(default_factory=AnswerLimits)
+    """Caps on a response's final answer (characters, bracket nesting, tokens) checked before a
+    verifier parses it: past one, the response scores 0 with an error of its own kind
+    (`answer_too_long`, `answer_too_deep`, `answer_too_many_tokens`), counted in
+    `verifier/rejected_answers` (a remote reward server applies its own `answer_limits`)."""
     model_rewards: ModelRewardsConfig = field(default_factory=ModelRewardsConfig)
     """Model-based rewards (aesthetic, CLIP, OCR, VLM judge, ...) for samples whose
     `reward_model.models` name them; scored in the trainer's process, added to the verifier's
@@ -444,6 +450,14 @@ def _value_checks(value: Any, key: str) -> list[tuple[bool, str]]:
     return []
 
 
+def answer_limit_checks(limits: AnswerLimits, key: str) -> list[tuple[bool, str]]:
+    """Each cap of `limits` (the training and serve configs' `answer_limits`) >= 0 (0: off)."""
+    return [
+        (getattr(limits, name) >= 0, f"{key}.{name} must be >= 0 (0: no cap), got {getattr(limits, name)}")
+        for name in ("max_chars", "max_depth", "max_tokens")
+    ]
+
+
 def logger_checks(trainer: Any) -> list[tuple[bool, str]]:
     """Checks of `trainer.loggers` and the trackers' settings (both trainers' configs)."""
     loggers = trainer.loggers
@@ -643,6 +657,7 @@ class Config:
             (self.rollout.group_size >= 1, "rollout.group_size must be >= 1"),
             (self.rollout.temperature > 0, "rollout.temperature must be > 0"),
             (self.reward.num_workers >= 0, "reward.num_workers must be >= 0"),
+            *answer_limit_checks(self.reward.answer_limits, "reward.answer_limits"),
             (self.reward.time_limit_s > 0, "reward.time_limit_s must be > 0"),
             (self.reward.on_error in ("zero", "drop"), "reward.on_error must be zero or drop"),
             (self.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),

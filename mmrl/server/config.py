@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmrl.types import AnswerLimits
+
 TOKEN_ENV = "MMRL_SERVE_TOKEN"
 """Environment variable holding the bearer token when the config does not set one."""
 
@@ -88,6 +90,10 @@ class ServeConfig:
     judge_iou_threshold: str = "average"
     """IoU threshold mode of `/judge` detection: "average", "dynamic" or a number in [0, 1] (V-Triune
     reads $DET_IOU_THRESHOLD; its launch script never exports it, so it runs "average")."""
+    answer_limits: AnswerLimits = field(default_factory=AnswerLimits)
+    """Caps on a response's final answer (characters, bracket nesting, tokens) checked before a
+    verifier parses it; past one the response scores 0 with an error of its own kind
+    (`answer_too_long`, ...), counted in `mmrl_verifier_errors_total{kind=...}`."""
     check_images: bool = False
     """Decode the images of `/score` samples and reject unreadable ones with 422; image paths
     are then read from the server's disk (rule-based verifiers never look at pixels, so by
@@ -143,6 +149,11 @@ class ServeConfig:
                 f"max_batch ({self.max_batch}) must not exceed max_pending ({self.max_pending}): "
                 "a full batch could never be accepted"
             )
+        from mmrl.config import answer_limit_checks
+
+        for ok, message in answer_limit_checks(self.answer_limits, "answer_limits"):
+            if not ok:
+                raise ValueError(message)
         if self.judge_format_ratio < 0:
             raise ValueError(f"judge_format_ratio must be >= 0, got {self.judge_format_ratio}")
         threshold = str(self.judge_iou_threshold)

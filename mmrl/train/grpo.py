@@ -1029,7 +1029,7 @@ def make_router(cfg: Config) -> Router:
         return RemoteRouter(
             r.remote_url, time_limit_s=r.time_limit_s, plugins=r.plugins, batch_size=r.remote_batch_size
         )
-    return Router(r.num_workers, r.time_limit_s, r.plugins)
+    return Router(r.num_workers, r.time_limit_s, r.plugins, answer_limits=r.answer_limits)
 
 
 def lr_lambda(cfg: Config):
