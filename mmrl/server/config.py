@@ -87,6 +87,12 @@ class ServeConfig:
     `auto` (a JSON object with a `verifier` key is a reward_model, anything else a ground truth)."""
     judge_format_ratio: float = 0.1
     """`format_ratio` for `/judge` (V-Triune) payloads that omit it (their server's default)."""
+    judge_math: str = "vtriune"
+    """How `/judge` scores V-Triune's `mathverify`: `vtriune` (their math-verify settings,
+    for a drop-in replacement: `\\boxed{\\sqrt{18}}` for gold `3\\sqrt{2}`, `2^{10}` for 1024,
+    `\\frac12` and `[0,1)` score 0 there as in V-Triune) or `mmrl` (mmrl's math verifier, which
+    credits those; each sample is then also scored V-Triune's way, and how often the two disagree
+    is counted in /metrics and logged)."""
     judge_iou_threshold: str = "average"
     """IoU threshold mode of `/judge` detection: "average", "dynamic" or a number in [0, 1] (V-Triune
     reads $DET_IOU_THRESHOLD; its launch script never exports it, so it runs "average")."""
@@ -95,9 +101,13 @@ class ServeConfig:
     verifier parses it; past one the response scores 0 with an error of its own kind
     (`answer_too_long`, ...), counted in `mmrl_verifier_errors_total{kind=...}`."""
     check_images: bool = False
-    """Decode the images of `/score` samples and reject unreadable ones with 422; image paths
-    are then read from the server's disk (rule-based verifiers never look at pixels, so by
-    default images are only type-checked and never opened)."""
+    """Decode the images of `/score` samples and reject unreadable ones, and ones over
+    `mmrl.types.MAX_IMAGE_PIXELS` (64 megapixels, data loading's limit), with 422 (rule-based
+    verifiers never look at pixels, so by default images are only type-checked, never opened)."""
+    image_root: str | None = None
+    """With `check_images`: the folder image paths are read from, relative to it. A path that is
+    absolute, holds `..` or leads out of it through a link is refused with one message, the same
+    whether or not a file is there; None: no path is read (base64 images only)."""
     plugins: list[str] = field(default_factory=list)
     """Python modules to import (in the server and every worker) that register extra verifiers."""
     check_cache_size: int = 4096
@@ -154,6 +164,10 @@ class ServeConfig:
         for ok, message in answer_limit_checks(self.answer_limits, "answer_limits"):
             if not ok:
                 raise ValueError(message)
+        if self.image_root is not None and not Path(self.image_root).is_dir():
+            raise ValueError(f"image_root {self.image_root!r} is not a folder")
+        if self.judge_math not in ("vtriune", "mmrl"):
+            raise ValueError(f"judge_math must be vtriune or mmrl, got {self.judge_math!r}")
         if self.judge_format_ratio < 0:
             raise ValueError(f"judge_format_ratio must be >= 0, got {self.judge_format_ratio}")
         threshold = str(self.judge_iou_threshold)

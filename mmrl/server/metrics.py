@@ -29,6 +29,10 @@ class Metrics(PoolEvents):
         self.samples: Counter = Counter()
         self.errors: Counter = Counter()
         self.worker_restarts = 0
+        self.judge_math_compared = 0
+        """`/judge` math samples scored both ways (`judge_math: mmrl`)."""
+        self.judge_math_disagreed = 0
+        """... of which mmrl's verifier and V-Triune's settings disagreed on the accuracy."""
 
     def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests[(endpoint, status)] += 1
@@ -114,6 +118,13 @@ class Metrics(PoolEvents):
             "# HELP mmrl_worker_restarts_total Verifier worker processes replaced (killed or crashed).",
             "# TYPE mmrl_worker_restarts_total counter",
             f"mmrl_worker_restarts_total {self.worker_restarts}",
+            "# HELP mmrl_judge_math_compared_total /judge math samples scored by mmrl's verifier and by "
+            "V-Triune's settings (judge_math: mmrl).",
+            "# TYPE mmrl_judge_math_compared_total counter",
+            f"mmrl_judge_math_compared_total {self.judge_math_compared}",
+            "# HELP mmrl_judge_math_disagreements_total ... of which the two accuracies differed.",
+            "# TYPE mmrl_judge_math_disagreements_total counter",
+            f"mmrl_judge_math_disagreements_total {self.judge_math_disagreed}",
         ]
         return "\n".join(lines) + "\n"
 
