@@ -10,6 +10,7 @@ with the full key name (OmegaConf structured configs do the checking).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -23,6 +24,7 @@ from mmrl.models.precision import DTYPES
 from mmrl.models.tiny import TinyVLMSpec
 from mmrl.models.tiny import architectures as tiny_architectures
 from mmrl.rewards.config import ModelRewardsConfig
+from mmrl.types import AnswerLimits
 
 DTYPE_NAMES = ("auto", *DTYPES)
 
@@ -183,7 +185,7 @@ class RewardConfig:
     update_while_scoring: bool = True
     """With `overlap`: start the update on the first mini-batch once its groups are scored,
     while later groups are still being scored. Taken when the advantage estimator is
-    group-local (grpo, dr_grpo, rloo, remax, opo, pass_at_k), `trainer.mini_batches` > 1, no reward model scores the
+    group-local (grpo, dr_grpo, rloo, remax, opo, pass_at_k, grpo_passk), `trainer.mini_batches` > 1, no reward model scores the
     batch and the update runs in this process; the update is the same as without it. One
     difference: a non-finite reward found after a mini-batch was already stepped on stops the
     update there (the step is counted as skipped) instead of skipping the whole step."""
@@ -198,6 +200,11 @@ class RewardConfig:
     plugins: list[str] = field(default_factory=list)
     """Python modules to import (here and in every verifier worker) that register extra
     verifiers with `@register_verifier`."""
+    answer_limits: AnswerLimits = field(default_factory=AnswerLimits)
+    """Caps on a response's final answer (characters, bracket nesting, tokens) checked before a
+    verifier parses it: past one, the response scores 0 with an error of its own kind
+    (`answer_too_long`, `answer_too_deep`, `answer_too_many_tokens`), counted in
+    `verifier/rejected_answers` (a remote reward server applies its own `answer_limits`)."""
     model_rewards: ModelRewardsConfig = field(default_factory=ModelRewardsConfig)
     """Model-based rewards (aesthetic, CLIP, OCR, VLM judge, ...) for samples whose
     `reward_model.models` name them; scored in the trainer's process, added to the verifier's
@@ -211,9 +218,10 @@ class AlgoConfig:
     # -- advantages --
     advantage: str = "grpo"
     """Advantage estimator: grpo, dr_grpo (no std division), rloo, reinforce_pp (batch
-    normalisation), reinforce_pp_baseline (group mean, then batch normalisation), gdpo, remax
+    whitening per token), reinforce_pp_baseline (group mean, then the same), gdpo, remax
     (a greedy response's reward as baseline), opo (length-weighted group baseline), gpg
-    (group mean, rescaled by the share of informative rows), pass_at_k (optimises pass@k)."""
+    (group mean, rescaled by the share of informative rows), pass_at_k (optimises pass@k),
+    grpo_passk (veRL's: only each group's best response, by its margin over the runner-up)."""
     adv_eps: float = 1e-6
     """Added to standard deviations before dividing."""
     adv_clip: float = 0.0
@@ -234,6 +242,8 @@ class AlgoConfig:
     ratio), clip_cov or kl_cov (Cui et al. 2025: no gradient for / a KL penalty on the tokens of
     highest log-prob/advantage covariance), gmpo (geometric mean of token ratios), sapo (soft
     sigmoid gate instead of the clip), gpg (plain -A log pi)."""
+    cispo_seq_floor: bool = False
+    """cispo_seq: also bound the sequence weight below at 1 - clip_low (TRL has no lower bound)."""
     sapo_tau_pos: float = 1.0
     """sapo: gate temperature of positive-advantage tokens (the paper's 1.0)."""
     sapo_tau_neg: float = 1.05
@@ -278,7 +288,11 @@ class AlgoConfig:
     tis_low: float = 0.0
     """tis_mode=band: the band's lower bound (0: 1 / tis_cap)."""
     tis_batch_norm: bool = False
-    """Divide the IS weights by their batch mean (mean 1; veRL's rollout_is_batch_normalize)."""
+    """Divide the IS weights by their batch mean (veRL's rollout_is_batch_normalize)."""
+    tis_batch_norm_scope: str = "verl"
+    """tis_batch_norm's mean: `verl` (veRL's order: the truncated weights over every loss token
+    before rejection and IS masking) or `kept` (the applied weights over the loss mask left
+    after rejection, IS-masked tokens counting as 0: they then average exactly 1)."""
     rejection: str = "off"
     """Rollout rejection: drop whole responses whose pi_trainer / pi_rollout is out of
     [rejection_low, rejection_high]: off, geometric (geometric-mean ratio), sequence (product)
@@ -401,6 +415,47 @@ class MlflowConfig:
     """Run name; None: the run directory's name."""
     tags: dict[str, str] = field(default_factory=dict)
     """Run tags."""
+
+
+MAX_CONFIG_INT = 2**63 - 1
+"""Largest magnitude of an integer config value: it must fit the 64-bit integers that torch,
+numpy and the step counters hold it in (the reward server's limit for `step` too)."""
+
+
+def number_checks(obj: Any, prefix: str = "") -> list[tuple[bool, str]]:
+    """Every number of a config dataclass (nested ones and lists included) usable at all: an
+    integer within +-(2^63 - 1) and a float finite (NaN and infinities refused; no field gives
+    them a meaning). Range rules of single fields come on top, in each `__post_init__`."""
+    checks: list[tuple[bool, str]] = []
+    for f in dataclasses.fields(obj):
+        checks += _value_checks(getattr(obj, f.name), f"{prefix}{f.name}")
+    return checks
+
+
+def _value_checks(value: Any, key: str) -> list[tuple[bool, str]]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return number_checks(value, f"{key}.")
+    if isinstance(value, (list, tuple)):
+        return [c for i, item in enumerate(value) for c in _value_checks(item, f"{key}[{i}]")]
+    if isinstance(value, dict):
+        return [c for k, item in value.items() for c in _value_checks(item, f"{key}.{k}")]
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int) and abs(value) > MAX_CONFIG_INT:
+        return [
+            (False, f"{key} must be within +-(2^63 - 1), got an integer of {len(str(abs(value)))} digits")
+        ]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(False, f"{key} must be a finite number, got {value}")]
+    return []
+
+
+def answer_limit_checks(limits: AnswerLimits, key: str) -> list[tuple[bool, str]]:
+    """Each cap of `limits` (the training and serve configs' `answer_limits`) >= 0 (0: off)."""
+    return [
+        (getattr(limits, name) >= 0, f"{key}.{name} must be >= 0 (0: no cap), got {getattr(limits, name)}")
+        for name in ("max_chars", "max_depth", "max_tokens")
+    ]
 
 
 def logger_checks(trainer: Any) -> list[tuple[bool, str]]:
@@ -554,6 +609,9 @@ class Config:
     """The loop: steps, batch sizes, evaluation, run directory."""
 
     def __post_init__(self) -> None:
+        for ok, message in number_checks(self):  # first: the checks below compute with them
+            if not ok:
+                raise ValueError(f"invalid config: {message}")
         t, d, r = self.trainer, self.data, self.rollout
         checks = [
             (t.total_steps >= 1, f"trainer.total_steps must be >= 1, got {t.total_steps}"),
@@ -599,12 +657,17 @@ class Config:
             (self.rollout.group_size >= 1, "rollout.group_size must be >= 1"),
             (self.rollout.temperature > 0, "rollout.temperature must be > 0"),
             (self.reward.num_workers >= 0, "reward.num_workers must be >= 0"),
+            *answer_limit_checks(self.reward.answer_limits, "reward.answer_limits"),
             (self.reward.time_limit_s > 0, "reward.time_limit_s must be > 0"),
             (self.reward.on_error in ("zero", "drop"), "reward.on_error must be zero or drop"),
             (self.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
-            (self.trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
             (
-                (self.trainer.prompts_per_step * self.rollout.group_size) % self.trainer.mini_batches == 0,
+                self.trainer.mini_batches >= 1,
+                f"trainer.mini_batches must be >= 1, got {self.trainer.mini_batches}",
+            ),
+            (
+                self.trainer.mini_batches < 1  # reported above (a modulo by 0 would raise here)
+                or (self.trainer.prompts_per_step * self.rollout.group_size) % self.trainer.mini_batches == 0,
                 "trainer.mini_batches must divide prompts_per_step * group_size",
             ),
             (
@@ -708,6 +771,7 @@ class Config:
             ),
             (
                 self.trainer.train_workers == 1
+                or self.trainer.mini_batches * self.trainer.train_workers < 1  # reported elsewhere
                 or (self.trainer.prompts_per_step * self.rollout.group_size)
                 % (self.trainer.mini_batches * self.trainer.train_workers)
                 == 0,
@@ -772,6 +836,10 @@ class Config:
             (
                 a.advantage != "pass_at_k" or (a.overlong_buffer == 0 and not a.kl_in_reward),
                 "algo.advantage=pass_at_k needs binary rewards: no algo.overlong_buffer, no algo.kl_in_reward",
+            ),
+            (
+                a.advantage != "grpo_passk" or self.rollout.group_size >= 2,
+                "algo.advantage=grpo_passk needs rollout.group_size >= 2 (a best and a runner-up)",
             ),
             (a.advantage != "remax" or local, "algo.advantage=remax needs trainer.backend=local"),
             (
@@ -897,6 +965,10 @@ class Config:
             ),
             (not a.tis_batch_norm or a.tis != "off", "algo.tis_batch_norm needs algo.tis=token or sequence"),
             (
+                a.tis_batch_norm_scope in ("verl", "kept"),
+                f"algo.tis_batch_norm_scope must be verl or kept, got {a.tis_batch_norm_scope!r}",
+            ),
+            (
                 a.rejection in ("off", "geometric", "sequence", "max_token"),
                 "algo.rejection must be off, geometric, sequence or max_token",
             ),
@@ -975,14 +1047,7 @@ def load_structured(
         where = f"configs/{task}.yaml"
         merged = _merge(merged, _yaml(recipe.read_text(), where), where)
     if config_file is not None:
-        path = Path(config_file)
-        if not path.exists():
-            raise FileNotFoundError(f"config file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-        merged = _merge(merged, _yaml(text, str(path)), str(path))
+        merged = merge_config_file(merged, config_file)
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
@@ -991,11 +1056,45 @@ def load_structured(
             dotlist = OmegaConf.from_dotlist(list(overrides))
         except Exception as exc:  # noqa: BLE001 - OmegaConf and YAML errors alike, on one line
             raise _config_error(f"invalid override in {list(overrides)}: {_one_line(exc)}", exc) from None
-        merged = _merge(merged, dotlist, "overrides")
+        merged = merge_config_values(merged, dotlist, "overrides")
+    return config_object(merged)
+
+
+def merge_config_file(merged: Any, config_file: str | Path) -> Any:
+    """`merged` (an OmegaConf structured config) with a YAML file on top; a missing file is
+    `FileNotFoundError`, everything else wrong (a folder, not UTF-8, bad YAML at file:line:column,
+    an unknown key with the closest known one, a wrong type) a one-line `ConfigError` naming it."""
+    path = Path(config_file)
+    return _merge(merged, _yaml(read_config_file(path), str(path)), str(path))
+
+
+def merge_config_values(merged: Any, values: Any, where: str) -> Any:
+    """`merged` with `values` (a mapping or OmegaConf config) on top; errors name `where`."""
+    return _merge(merged, values, where)
+
+
+def config_object(merged: Any) -> Any:
+    """The dataclass instance of an OmegaConf structured config (its `__post_init__` checks
+    run); OmegaConf's errors as one-line `ConfigError`s."""
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _config_error(f"invalid config: {_describe(exc)}", exc) from None
+
+
+def read_config_file(path: Path) -> str:
+    """The text of a YAML config file; a missing file is `FileNotFoundError`, a folder, an
+    unreadable file or text that is not UTF-8 a `ConfigError`, each naming the path."""
+    if not path.exists():
+        raise FileNotFoundError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a config file (give a .yaml file)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
 
 
 class ConfigError(ValueError):
@@ -1024,14 +1123,30 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _describe(exc: OmegaConfBaseException) -> str:
-    """OmegaConf's multi-line message as one line with the full key."""
+    """OmegaConf's multi-line message as one line with the full key (and, for an unknown key,
+    the closest known ones)."""
     key = getattr(exc, "full_key", None)
     message = _one_line(exc)
     if isinstance(exc, ConfigKeyError) and key:
-        return f"unknown key {key!r}"
+        return f"unknown key {key!r}{did_you_mean(key, getattr(exc, 'object_type', None))}"
     if key and key not in message:
         return f"{key}: {message}"
     return message
+
+
+def did_you_mean(key: str, schema: Any) -> str:
+    """` (did you mean 'trainer.total_steps'?)` for an unknown dotted `key` whose parent is the
+    dataclass `schema`, naming its closest field (difflib); "" when none is close."""
+    import difflib
+
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        return ""
+    parent, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(schema)], n=1, cutoff=0.6)
+    if not close:
+        return ""
+    suggestion = f"{parent}.{close[0]}" if parent else close[0]
+    return f" (did you mean {suggestion!r}?)"
 
 
 def _merge(base: Any, extra: Any, where: str) -> Any:
@@ -1104,6 +1219,9 @@ def _yaml(text: str, where: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or _one_line(exc)
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and start is not None:  # where the unclosed bracket or quote began
+            problem += f" ({context} at line {start.line + 1}, column {start.column + 1})"
         raise ConfigError(f"{where}{at}: invalid YAML: {problem}") from None
     except OmegaConfBaseException as exc:
         raise _config_error(f"{where}: {_describe(exc)}", exc) from None

@@ -512,7 +512,15 @@ class DetectionVerifier(Verifier):
     def check_sample(self, sample: Sample) -> None:
         check_format_param(sample)
         detection_params(sample)
-        if not ground_truth_boxes(sample.reward_model.ground_truth):
+        gold = sample.reward_model.ground_truth
+        if isinstance(gold, str) and len(answer_text(gold)) > MAX_ANSWER_CHARS:
+            raise SampleFieldError(
+                "reward_model.ground_truth",
+                f"is a box list of {len(answer_text(gold)):,} characters, more than the "
+                f"{MAX_ANSWER_CHARS:,} this verifier reads from a string (about 2,000 boxes): give the "
+                "boxes as a JSON array instead of a string (an array has no such limit)",
+            )
+        if not ground_truth_boxes(gold):
             raise SampleFieldError(
                 "reward_model.ground_truth",
                 'holds no valid box (expected [{"bbox_2d": [x1, y1, x2, y2], "label": "..."}, ...])',

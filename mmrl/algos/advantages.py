@@ -15,13 +15,14 @@ whose rewards are all equal, gives advantage 0 to the rows it would have normali
 | `grpo` | (r_i - mean_group) / (std_group + eps) |
 | `dr_grpo` | r_i - mean_group |
 | `rloo` | r_i - mean_{j != i in group} r_j |
-| `reinforce_pp` | (r_i - mean_batch) / (std_batch + eps) |
+| `reinforce_pp` | r_i whitened per token over the batch (veRL's `masked_whiten`) |
 | `reinforce_pp_baseline` | x_i = r_i - mean_group, then whitened per token over the batch (veRL's `masked_whiten`) |
 | `gdpo` | sum_k w_k grpo(r[:, k]), then batch-normalised as above (or only scaled, or neither) |
 | `remax` | r_i - b_i, b_i the reward of the greedy response to row i's prompt |
 | `opo` | r_i - sum_j L_j r_j / sum_j L_j over the group (L: response tokens) |
 | `gpg` | alpha (r_i - mean_group), alpha = valid rows / rows of groups with a spread |
 | `pass_at_k` | the analytic pass@k advantage of a binary reward (Chen et al. 2025) |
+| `grpo_passk` | veRL's: (r_max - r_second) / (std_group + eps) for the group's best response, 0 for the rest |
 
 Every std is the unbiased sample std (Bessel), as in TRL and veRL, except `pass_at_k`'s, which
 is the Bernoulli std sqrt(p (1 - p)) its paper derives.
@@ -45,9 +46,9 @@ AdvantageFn = Callable[..., torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 GROUP_LOCAL: set[str] = set()
 """Estimators whose advantages for a group read only that group's rewards."""
-TOKEN_WEIGHTED: set[str] = {"reinforce_pp_baseline", "opo"}
-"""Estimators that take `token_counts` ([N] response tokens per row): veRL whitens them per
-token; OPO weighs its baseline by them."""
+TOKEN_WEIGHTED: set[str] = {"reinforce_pp", "reinforce_pp_baseline", "opo"}
+"""Estimators that take `token_counts` ([N] response tokens per row): veRL whitens the
+REINFORCE++ ones per token; OPO weighs its baseline by them."""
 NEEDS_BASELINE: set[str] = {"remax"}
 """Estimators that take `baselines` ([N] the reward of a greedy response to each row's prompt)."""
 
@@ -188,26 +189,82 @@ def rloo_advantages(
     return (centred * n / (n - 1).clamp(min=1)).view(-1)
 
 
-@register_advantage("reinforce_pp")
-def reinforce_pp_advantages(
-    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025, arXiv 2501.03262): A_i = (r_i - mean(batch)) / (std(batch) + eps).
+def _token_whiten(x: torch.Tensor, valid: torch.Tensor, token_counts: torch.Tensor | None) -> torch.Tensor:
+    """veRL's `masked_whiten` of per-response values spread over their tokens.
 
-    Global batch normalisation over every valid response, no per-prompt baseline. The paper
-    whitens per-token returns; with an outcome reward and gamma = 1 every token of a response
-    carries r_i, and this is the response-level form (each response counts once, not once per
-    token).
+    Every response token carries its response's x, so with L_i tokens in response i and
+    T = sum_i L_i over the valid rows,
+
+        mu = sum_i L_i x_i / (T + 1e-8),   var = sum_i L_i (x_i - mu)^2 / (T + 1e-8) * T / (T - 1),
+        A_i = (x_i - mu) / sqrt(var + 1e-8)
+
+    Without `token_counts` every response counts as one token.
 
     Args:
-        rewards: [N]; group_size: G (only checked: N must be a multiple); eps: added to the std;
-        valid: [N] bool.
+        x: [N] per-response values (0 on invalid rows); valid: [N] bool;
+        token_counts: [N] response tokens per row, or None.
 
     Returns:
-        [N]; all 0 if fewer than two rows are valid or all valid rewards are equal.
+        [N] float32; all 0 when the valid rows hold fewer than two tokens (veRL raises) or x has
+        no spread over them; 0 on rows with no token.
     """
+    if token_counts is None:
+        w = torch.ones_like(x)
+    else:
+        if token_counts.shape != x.shape:
+            raise ValueError(
+                f"token_counts must be [N] = [{x.numel()}], got shape {list(token_counts.shape)}"
+            )
+        w = token_counts.to(device=x.device, dtype=torch.float32)
+    w = torch.where(valid, w, torch.zeros_like(w))
+    total = w.sum()
+    used = w > 0
+    if total <= 1 or not used.any():
+        return torch.zeros_like(x)
+    mean = (w * x).sum() / (total + 1e-8)
+    var = (w * (x - mean).square()).sum() / (total + 1e-8) * (total / (total - 1))
+    adv = (x - mean) * torch.rsqrt(var + 1e-8)
+    spread = x[used].amax() > x[used].amin()
+    return torch.where(used & spread, adv, torch.zeros_like(adv))
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+    token_counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262), veRL's `compute_reinforce_plus_plus_outcome_advantage`:
+    global whitening of the returns over every response token of the batch, no per-prompt
+    baseline.
+
+    With an outcome reward and gamma = 1 (veRL's default) every token of response i carries the
+    return r_i, and veRL whitens those returns **per token** (`masked_whiten`): with L_i tokens
+    in response i and T = sum_i L_i,
+
+        mu = sum_i L_i r_i / T,   var = sum_i L_i (r_i - mu)^2 / (T - 1),
+        A_i = (r_i - mu) / sqrt(var + 1e-8)
+
+    so long responses weigh more in mu and var (veRL's masked mean divides by T + 1e-8,
+    reproduced too). Without `token_counts` every response counts as one token: the
+    per-response whitening (r_i - mean) / std over the batch.
+
+    Args:
+        rewards: [N]; group_size: G (only checked: N must be a multiple); valid: [N] bool
+            (invalid rows are left out of every statistic and get 0).
+        eps: accepted for the common signature and unused: veRL's whitening adds 1e-8 to the
+            variance, not eps to the std.
+        token_counts: [N] response tokens per row (the response mask's row sums).
+
+    Returns:
+        [N] float32; all 0 if fewer than two tokens are valid or all valid rewards are equal.
+    """
+    del eps  # see the docstring: the variance gets 1e-8, as in veRL
     r, v = _prepare(rewards, group_size, valid)
-    return _standardise(r.view(1, -1), v.view(1, -1), eps).view(-1)
+    return _token_whiten(r, v, token_counts)
 
 
 @register_advantage("reinforce_pp_baseline")
@@ -252,24 +309,7 @@ def reinforce_pp_baseline_advantages(
         n > 1, (rg * vg).sum(dim=1, keepdim=True) / n.clamp(min=1), torch.zeros_like(rg[:, :1])
     )
     x = torch.where(vg, rg - group_mean, torch.zeros_like(rg)).view(-1)
-    if token_counts is None:
-        w = torch.ones_like(x)
-    else:
-        if token_counts.shape != x.shape:
-            raise ValueError(
-                f"token_counts must be [N] = [{x.numel()}], got shape {list(token_counts.shape)}"
-            )
-        w = token_counts.to(device=x.device, dtype=torch.float32)
-    w = torch.where(v, w, torch.zeros_like(w))
-    total = w.sum()
-    used = w > 0
-    if total <= 1 or not used.any():
-        return torch.zeros_like(x)
-    mean = (w * x).sum() / (total + 1e-8)
-    var = (w * (x - mean).square()).sum() / (total + 1e-8) * (total / (total - 1))
-    adv = (x - mean) * torch.rsqrt(var + 1e-8)
-    spread = x[used].amax() > x[used].amin()
-    return torch.where(used & spread, adv, torch.zeros_like(adv))
+    return _token_whiten(x, v, token_counts)
 
 
 GDPO_BATCH_NORMS = ("mean_std", "std", "none")
@@ -532,6 +572,48 @@ def pass_at_k_advantages(
     ok = vg & (n >= k) & (n_pos > 0) & (n_neg > 0) & (std > 0)  # std 0: every k-subset passes
     adv = torch.where(rg > 0.5, a_pos, a_neg)
     return torch.where(ok, adv, torch.zeros_like(adv)).float().view(-1)
+
+
+@register_advantage("grpo_passk", group_local=True)
+def grpo_passk_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """veRL's `grpo_passk` (`compute_grpo_passk_outcome_advantage`, after Chen et al. 2025,
+    arXiv 2503.19595): only the best response of each group is rewarded, by its margin over the
+    runner-up, scaled by the group's std,
+
+        A_best = (r_max - r_second) / (std(group) + eps),   A_i = 0 for every other response
+
+    with `best` the first row holding the group's largest reward and std the unbiased sample
+    std. Unlike `pass_at_k` (the analytic expectation over k-subsets), no k enters and rewards
+    need not be binary.
+
+    Args:
+        rewards: [B x G]; group_size: G >= 2 (veRL refuses smaller groups); eps: added to the
+            std; valid: [B x G] bool (invalid rows are neither best nor runner-up and get 0).
+
+    Returns:
+        [B x G]; a group with fewer than two valid rows gets 0 (veRL raises), and so does a
+        group whose two largest rewards are equal.
+    """
+    if group_size < 2:
+        raise ValueError(f"grpo_passk needs at least 2 responses per prompt, got group_size {group_size!r}")
+    r, v = _prepare(rewards, group_size, valid)
+    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
+    n = vg.sum(dim=1, keepdim=True)
+    masked = torch.where(vg, rg, torch.full_like(rg, -torch.inf))
+    best = masked.argmax(dim=1, keepdim=True)  # the first maximal row, as veRL's topk on CPU
+    r_max = masked.gather(1, best)
+    r_second = masked.scatter(1, best, -torch.inf).amax(dim=1, keepdim=True)
+    mean = (rg * vg).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    var = torch.where(vg, rg - mean, torch.zeros_like(rg)).square().sum(dim=1, keepdim=True)
+    std = (var / (n - 1).clamp(min=1)).sqrt()
+    margin = torch.where(n >= 2, (r_max - r_second) / (std + eps), torch.zeros_like(r_max))
+    return torch.zeros_like(rg).scatter(1, best, margin).view(-1)
 
 
 def clip_advantages(advantages: torch.Tensor, max_abs: float | None) -> torch.Tensor:

@@ -23,13 +23,13 @@ and returns metrics over the masked tokens: `clip_frac_low`, `clip_frac_high`,
 | `cispo` | -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi |
 | `clip_cov` | PPO, with a random few high-covariance tokens (cov(log pi, A) in (lb, ub)) given no gradient |
 | `kl_cov` | -A r, plus kl_coef abs(log r) on the top-k covariance tokens |
-| `cispo_seq` | -sg(clip(s_i, 1 - eps_low, 1 + eps_high)) A log pi, s_i the geometric-mean sequence ratio |
+| `cispo_seq` | -sg(min(s_i, 1 + eps_high)) A log pi, s_i the geometric-mean sequence ratio (TRL) |
 | `gmpo` | -A exp(mean_t clip_A(log r_t)): the geometric mean of token ratios, clipped per token in log space |
 | `sapo` | -A f(r), f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos (A > 0) or tau_neg |
 | `gpg` | -A log pi (plain policy gradient, no ratio) |
 
 `clip_cov` takes `cov_ratio`, `cov_lb`, `cov_ub`; `kl_cov` takes `cov_ratio`, `kl_coef`; `sapo`
-takes `tau_pos`, `tau_neg` (`loss_options` gives them from `algo`).
+takes `tau_pos`, `tau_neg`; `cispo_seq` takes `floor` (`loss_options` gives them from `algo`).
 
 Aggregations (`AGGREGATIONS`, see `aggregate`): `token_mean`, `seq_mean_token_mean`,
 `seq_mean_token_sum_norm`. When a mini-batch is split into micro-batches, pass every
@@ -45,8 +45,11 @@ from collections.abc import Callable
 import torch
 
 # Log-ratios are clamped to +-this before exp so a wildly off token cannot overflow to inf
-# (beyond it the ratio is constant and has no gradient).
+# (beyond it the ratio is constant and has no gradient). veRL clamps PPO's, SAPO's and CISPO's
+# log-ratio at +-20 as well; its Clip-Cov and KL-Cov do not clamp at all (see those losses).
 LOG_RATIO_CLAMP = 20.0
+# GSPO's sequence log-ratio is clamped above only, at 10, as veRL's `compute_policy_loss_gspo`.
+GSPO_LOG_RATIO_MAX = 10.0
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
@@ -288,7 +291,9 @@ def gspo_loss(
     Every token of response i carries the same ratio s_i (so the whole response is clipped or
     not), and its gradient is A_i s_i grad log pi(y_t). The paper's objective is the
     `seq_mean_token_mean` aggregation; its clip ranges are tiny (clip_low 3e-4, clip_high 4e-4)
-    because s_i is a per-token geometric mean. log s_i,t is clamped to +-20.
+    because s_i is a per-token geometric mean. log s_i,t is clamped above at 10 and not below,
+    as in veRL (a response whose mean log-ratio exceeds 10 gets no gradient; below, s_i only
+    goes to 0).
 
     Metrics are the PPO ones with each token's ratio being its sequence's s_i (token-weighted).
     """
@@ -298,7 +303,7 @@ def gspo_loss(
     log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
     seq_log_ratio = log_ratio.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
     lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
-    log_s = (lp - lp.detach() + seq_log_ratio.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_s = (lp - lp.detach() + seq_log_ratio.detach()).clamp(max=GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(log_s)
     per_token = _weighted(_clipped_surrogate(ratio, adv, clip_low, clip_high, clip_dual), weights)
     loss = aggregate(per_token, mask, agg, denom, max_len)
@@ -386,6 +391,11 @@ def clip_cov_loss(
     that drives entropy down), get no gradient. The random draw uses torch's global generator.
     Statistics are over this call's tokens (veRL: the micro-batch).
 
+    Deviation from veRL: log r_t is clamped to +-20 before exp (`LOG_RATIO_CLAMP`, as in
+    `ppo`); veRL's Clip-Cov does not clamp. The two agree wherever |log r_t| <= 20; beyond, a
+    token's ratio here is the constant e^+-20 and it gets no gradient (veRL's would be -A r_t,
+    and overflows to inf / NaN past log r_t ~ 88 in float32).
+
     Metrics: the PPO ones, plus `cov_frac` (tokens in S / masked tokens); `clip_frac_dual` 0.
     """
     _check_inputs("clip_cov", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
@@ -446,6 +456,11 @@ def kl_cov_loss(
     clipped. clip_low / clip_high do not enter the loss; the clip fractions report what PPO would
     have clipped. Ties in cov keep the earlier token.
 
+    Deviation from veRL: log r_t is clamped to +-20 before exp (`LOG_RATIO_CLAMP`); veRL's
+    KL-Cov does not clamp. They agree wherever |log r_t| <= 20; beyond, the ratio term of a
+    token here is constant and sends no gradient (veRL's sends -A r_t), while the |log r_t|
+    penalty of a selected token is never clamped.
+
     Metrics: the PPO ones, `cov_frac` (tokens in S / masked tokens), `ppo_kl_abs` (mean
     |log r| over the masked tokens).
     """
@@ -491,22 +506,30 @@ def cispo_seq_loss(
     denom: float | None = None,
     weights: torch.Tensor | None = None,
     max_len: int | None = None,
+    floor: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sequence-level CISPO: CISPO's clipped, stop-gradient importance weight (MiniMax-M1, 2025)
     taken at the sequence level, with GSPO's length-normalised sequence ratio (Zheng et al.
     2025), as TRL computes `loss_type="cispo"` with `importance_sampling_level="sequence"`:
 
         log s_i = (1 / |y_i|) sum_t m_t (logprobs - old_logprobs)
-        l_i,t   = -sg(clip(s_i, 1 - clip_low, 1 + clip_high)) * A_i * logprobs_t
+        l_i,t   = -sg(min(s_i, 1 + clip_high)) * A_i * logprobs_t
         loss    = aggregate(w_t l_i,t, mask, agg, denom, max_len)
 
     Every token of a response shares one weight (no token of it is dropped, as in CISPO), so a
     single off-policy token cannot blow up its own gradient; the weight moves with the whole
-    response's drift. TRL bounds the weight above by epsilon_high itself (ScaleRL's eps_max,
-    e.g. 5); here, as in `cispo`, the bound is 1 + clip_high. log s_i is clamped to +-20.
+    response's drift. As in TRL the weight has no lower bound: a response the policy has left
+    (s_i near 0) sends almost no gradient. TRL bounds the weight above by epsilon_high itself
+    (ScaleRL's eps_max, e.g. 5); its epsilon_high is this 1 + clip_high.
+
+    `floor=True` (`algo.cispo_seq_floor`) also bounds the weight below at 1 - clip_low, as
+    token-level `cispo` (and veRL's CISPO) does; that was mmrl's earlier choice and differs from
+    TRL: with log-ratios [-20, 0, 0, 0] (s = e^-5) and A = 1, TRL's weight is 0.0067 and the
+    floored one 0.8 (clip_low 0.2), 119 times the gradient. log s_i is clamped to +-20 before exp.
 
     Metrics: `clip_frac_low` / `clip_frac_high` count tokens whose sequence weight was clipped,
-    whatever the sign of A; the ratio stats are of s_i (token-weighted).
+    whatever the sign of A (`clip_frac_low` is 0 without `floor`); the ratio stats are of s_i
+    (token-weighted).
     """
     _check_inputs("cispo_seq", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
     if clip_dual is not None:
@@ -517,11 +540,12 @@ def cispo_seq_loss(
         log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
         seq = log_ratio.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
         ratio = torch.exp(seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).expand_as(logprobs)
-        is_weight = ratio.clamp(max(1.0 - clip_low, 0.0), 1.0 + clip_high)
+        low = max(1.0 - clip_low, 0.0) if floor else None
+        is_weight = ratio.clamp(low, 1.0 + clip_high)
     lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
     per_token = _weighted(-is_weight * adv * lp, weights)
     loss = aggregate(per_token, mask, agg, denom, max_len)
-    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None, signed=False)
+    return loss, _ratio_metrics(ratio, adv, m, clip_low if floor else math.inf, clip_high, None, signed=False)
 
 
 @register_policy_loss("gmpo")
@@ -716,4 +740,6 @@ def loss_options(algo) -> dict[str, float]:
         return {"cov_ratio": algo.cov_ratio, "kl_coef": algo.kl_cov_coef}
     if algo.policy_loss == "sapo":
         return {"tau_pos": algo.sapo_tau_pos, "tau_neg": algo.sapo_tau_neg}
+    if algo.policy_loss == "cispo_seq" and algo.cispo_seq_floor:
+        return {"floor": True}
     return {}

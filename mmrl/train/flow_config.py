@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from mmrl.config import MlflowConfig, WandbConfig, load_structured, logger_checks
+from mmrl.config import MlflowConfig, WandbConfig, load_structured, logger_checks, number_checks
 from mmrl.models.image_base import ImageWarmupConfig
 from mmrl.models.tiny_diffusion import TinyDiffusionSpec
 from mmrl.train.schedule import SCHEDULES
@@ -361,7 +361,7 @@ class FlowConfig:
             (not t.resume or bool(t.run_dir), "trainer.resume needs trainer.run_dir (the run to continue)"),
             *logger_checks(t),
         ]
-        for ok, message in checks:
+        for ok, message in [*number_checks(self), *checks]:
             if not ok:
                 raise ValueError(f"invalid config: {message}")
 

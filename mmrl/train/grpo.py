@@ -704,6 +704,9 @@ class StepInputs:
     """[N] bool: responses dropped by rollout rejection (`algo.rejection`; None when off)."""
     baselines: torch.Tensor | None = None
     """[N] the greedy baseline reward of each row's prompt (ReMax; None otherwise)."""
+    norm_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(truncated IS weights, loss mask) before rollout rejection and IS masking: what
+    `algo.tis_batch_norm` averages in veRL's order (scope `verl`; None otherwise)."""
 
     @classmethod
     def empty(
@@ -759,6 +762,7 @@ class StepInputs:
         # e. Rollout rejection (whole responses out of the loss; their rewards stayed in their
         #    groups' statistics above), then importance-sampling weights against the rollout
         #    engine's log-probs.
+        pre_rejection = mask
         if self.rejected is not None:
             keep, _ = rejection_keep(
                 self.old[rows], batch.rollout_logprobs[rows], mask.float(), level=a.rejection,
@@ -767,6 +771,19 @@ class StepInputs:
             self.rejected[rows] = ~keep
             mask = mask * keep.unsqueeze(1).long()
             batch.response_mask[rows] = mask
+        if self.weights is not None and a.tis_batch_norm and a.tis_batch_norm_scope == "verl":
+            if self.norm_stats is None:
+                self.norm_stats = (torch.zeros_like(self.weights), torch.zeros_like(batch.response_mask))
+            # veRL's order: the batch mean is of the truncated weights over the tokens before
+            # rejection (`pre_rejection`) and before IS masking.
+            self.norm_stats[0][rows], _ = tis_weights(
+                self.old[rows],
+                batch.rollout_logprobs[rows],
+                pre_rejection.float(),
+                level=a.tis,
+                cap=a.tis_cap,
+            )
+            self.norm_stats[1][rows] = pre_rejection
         if self.weights is not None:
             self.weights[rows], _ = tis_weights(
                 self.old[rows], batch.rollout_logprobs[rows], mask.float(),
@@ -774,9 +791,17 @@ class StepInputs:
             )  # fmt: skip
 
     def normalize_weights(self, cfg: Config, batch: RolloutBatch) -> None:
-        """`algo.tis_batch_norm`: the IS weights of the whole batch divided by their mean."""
+        """`algo.tis_batch_norm`: the IS weights of the whole batch divided by their mean (over
+        what `algo.tis_batch_norm_scope` says)."""
         if self.weights is not None and cfg.algo.tis_batch_norm:
-            self.weights, _ = batch_normalize_weights(self.weights, batch.response_mask, cfg.algo.tis)
+            stat_weights, stat_mask = self.norm_stats if self.norm_stats is not None else (None, None)
+            self.weights, _ = batch_normalize_weights(
+                self.weights,
+                batch.response_mask,
+                cfg.algo.tis,
+                stat_weights=stat_weights,
+                stat_mask=stat_mask,
+            )
 
     def filler(
         self, cfg: Config, batch: RolloutBatch, deferred: DeferredRewards
@@ -1004,7 +1029,7 @@ def make_router(cfg: Config) -> Router:
         return RemoteRouter(
             r.remote_url, time_limit_s=r.time_limit_s, plugins=r.plugins, batch_size=r.remote_batch_size
         )
-    return Router(r.num_workers, r.time_limit_s, r.plugins)
+    return Router(r.num_workers, r.time_limit_s, r.plugins, answer_limits=r.answer_limits)
 
 
 def lr_lambda(cfg: Config):

@@ -7,7 +7,9 @@ Names are `group/name` overall and `group/name/<data_source>` per source:
   `correct` and `wrong` responses (`response/length_mean/correct`, ...);
 - `reflection/ratio` (responses with a reflection word), `reflection/ratio_in_correct`,
   `reflection/ratio_in_wrong`, `reflection/accuracy` (accuracy of reflective responses);
-- `verifier/errors`, `verifier/timeouts` (also per `verifier/data_source`).
+- `verifier/errors`, `verifier/timeouts` (also per `verifier/data_source`), and
+  `verifier/rejected_answers` (errors of answers past a size cap, also per kind:
+  `verifier/rejected_answers/answer_too_long`, ...; `reward.answer_limits`).
 
 A response is *correct* when its `accuracy` component is at least 0.5 (1 for binary verifiers;
 graded ones like detection count as correct past half credit).
@@ -16,12 +18,13 @@ graded ones like detection count as correct past half credit).
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
 from mmrl.router import RewardBatch
 from mmrl.types import RolloutBatch
+from mmrl.verifiers.limits import answer_limit_kind
 
 REFLECTION_WORDS = (
     "wait",
@@ -70,6 +73,11 @@ def step_metrics(
         metrics[f"verifier/errors/{key}"] = float(count)
     for key, count in rewards.timeouts.items():
         metrics[f"verifier/timeouts/{key}"] = float(count)
+    rejected = Counter(answer_limit_kind(r.error) for r in rewards.results if r.error is not None)
+    rejected.pop(None, None)
+    metrics["verifier/rejected_answers"] = float(sum(rejected.values()))
+    for kind, count in sorted(rejected.items()):
+        metrics[f"verifier/rejected_answers/{kind}"] = float(count)
 
     lengths = batch.response_mask.sum(dim=1).float().tolist()
     truncated = batch.truncated.float().tolist()
