@@ -178,7 +178,8 @@ class RewardConfig:
     on_error: str = "zero"
     """A verifier error or time-out is always counted and logged with the sample id; then
     `zero`: the response scores 0 and stays in its group; `drop`: it is left out of its group's
-    advantage statistics and of the loss."""
+    advantage statistics and of the loss. An answer refused by `answer_limits` is counted as an
+    error too, but always scores 0 and stays (it is the response's fault, not the verifier's)."""
     overlap: bool = True
     """Score each response as soon as it is generated, overlapping generation (needs workers
     or a remote reward service)."""

@@ -239,3 +239,43 @@ def test_refused_answers_are_counted_by_kind():
     assert server.errors[("math", "answer_too_long")] == 2
     assert server.errors[("math", "answer_too_deep")] == 1
     assert server.errors[("math", "error")] == 1
+
+
+def test_a_refused_answer_scores_zero_and_stays_even_when_errors_are_dropped():
+    """A babbling policy must not escape its penalty through `reward.on_error=drop`: a refused
+    answer is a verdict on the response (scored 0, kept in its group), a time-out is not."""
+    import torch
+
+    from mmrl.config import load_config
+    from mmrl.router import RewardBatch
+    from mmrl.train.grpo import StepInputs
+    from mmrl.types import RolloutBatch, VerifierResult
+
+    cfg = load_config(
+        "vision_reasoning", overrides=["reward.on_error=drop", "algo.advantage=grpo", "rollout.group_size=2"]
+    )
+    results = [
+        VerifierResult(1.0),
+        VerifierResult(0.0, error="answer_too_long: the answer has 20000 characters (limit 1000)"),
+        VerifierResult(0.0, error="timeout: the verifier took longer than 5 s"),
+        VerifierResult(1.0),
+    ]
+    samples = [_sample("5")] * 4
+    batch = RolloutBatch(
+        samples=samples,
+        prompt_ids=torch.zeros(4, 1, dtype=torch.long),
+        prompt_mask=torch.ones(4, 1, dtype=torch.long),
+        response_ids=torch.zeros(4, 2, dtype=torch.long),
+        response_mask=torch.ones(4, 2, dtype=torch.long),
+        rollout_logprobs=torch.zeros(4, 2),
+        vision_inputs={},
+        texts=[""] * 4,
+        truncated=torch.zeros(4, dtype=torch.bool),
+        group_size=2,
+    )
+    inputs = StepInputs.empty(4, old=torch.zeros(4, 2), ref=None, tis=False)
+    inputs.fill(cfg, batch, range(4), RewardBatch.of(results, samples))
+    assert inputs.dropped.tolist() == [False, False, True, False]
+    # Group 0 (1 vs the refused 0): the refusal is pushed down, its partner up (GRPO: +-1/std).
+    assert inputs.advantages[0] > 0 > inputs.advantages[1]
+    assert batch.response_mask[1].tolist() == [1, 1] and batch.response_mask[2].tolist() == [0, 0]

@@ -62,3 +62,10 @@ def answer_limit_kind(error: str | None) -> str | None:
         return None
     kind = error.split(":", 1)[0]
     return kind if kind in ANSWER_LIMIT_KINDS else None
+
+
+def is_refusal(error: str | None) -> bool:
+    """Whether `error` is an answer refused by a cap: a verdict on the response (it scores 0
+    whatever `reward.on_error` says), not a failure to score it. Under `on_error=drop` a
+    babbling policy would otherwise escape the penalty of its refused answers."""
+    return answer_limit_kind(error) is not None

@@ -81,6 +81,7 @@ from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
 from mmrl.train.update import old_and_ref_logprobs, update_policy
 from mmrl.types import RolloutBatch, VerifyContext
+from mmrl.verifiers.limits import is_refusal
 
 log = logging.getLogger(__name__)
 
@@ -730,7 +731,10 @@ class StepInputs:
         rows = list(rows)
         # b. Reward shaping and loss masks.
         device = self.old.device  # rewards come from the verifier workers, on the host
-        valid = torch.tensor([r.error is None for r in rewards.results], dtype=torch.bool, device=device)
+        # Rows that were scored: no error, or an answer refused by a size cap (a verdict, scored 0).
+        valid = torch.tensor(
+            [r.error is None or is_refusal(r.error) for r in rewards.results], dtype=torch.bool, device=device
+        )
         dropped = ~valid if cfg.reward.on_error == "drop" else torch.zeros_like(valid)
         scores = rewards.scores.to(device, copy=True)
         lengths = batch.response_mask[rows].sum(dim=1)
