@@ -502,7 +502,7 @@ def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Tr
         reward_models=reward_models,
         policy=policy,
         reference=reference,
-        engine=HFRolloutEngine.from_policy(policy, max_batch_rows=cfg.rollout.max_batch_rows),
+        engine=HFRolloutEngine.from_policy(policy, rollout=cfg.rollout),
         router=make_router(cfg),
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
