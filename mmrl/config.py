@@ -172,9 +172,9 @@ class RolloutConfig:
     fixed shapes per batch-size bucket), `captured` (static, captured once per bucket as a CUDA
     graph and replayed; CUDA only) or `auto` (captured on CUDA, eager elsewhere)."""
     lora_merge: str = "auto"
-    """HF engine with LoRA: merge the adapters into the weights for the rollout (restored exactly
-    after it): `on`, `off` or `auto` (on CUDA). The trainer scores unmerged; the rounding shows
-    in the `rollout/` mismatch metrics."""
+    """HF engine with LoRA: `merged` (the adapters merged into the weights for the rollout, the
+    weights restored exactly after it), `unmerged`, or `auto` (merged on CUDA). The trainer
+    scores unmerged; the merge's rounding shows in the `rollout/` mismatch metrics."""
 
 
 @dataclass
@@ -676,7 +676,10 @@ class Config:
                 self.rollout.decode in ("auto", "eager", "static", "captured"),
                 "rollout.decode must be auto, eager, static or captured",
             ),
-            (self.rollout.lora_merge in ("auto", "on", "off"), "rollout.lora_merge must be auto, on or off"),
+            (
+                self.rollout.lora_merge in ("auto", "merged", "unmerged"),
+                "rollout.lora_merge must be auto, merged or unmerged",
+            ),
             (
                 self.rollout.vllm_weight_sync in ("auto", "inprocess", "nccl"),
                 "rollout.vllm_weight_sync must be auto, inprocess or nccl",

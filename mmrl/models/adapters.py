@@ -110,15 +110,15 @@ def merged_copy_for_saving(model: torch.nn.Module) -> PreTrainedModel:
     return copy.deepcopy(model).merge_and_unload()
 
 
-LORA_MERGE = ("auto", "on", "off")
+LORA_MERGE = ("auto", "merged", "unmerged")
 
 
 def resolve_lora_merge(setting: str, device: torch.device) -> bool:
     """Whether rollouts merge LoRA adapters into the weights (`rollout.lora_merge`): `auto` does
-    on CUDA (the decode step then reads one weight per layer instead of three)."""
+    on CUDA (each adapted layer of the decode step then reads one weight instead of three)."""
     if setting not in LORA_MERGE:
         raise ValueError(f"rollout.lora_merge={setting!r}: choose one of {', '.join(LORA_MERGE)}")
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
+    return setting == "merged" or (setting == "auto" and device.type == "cuda")
 
 
 class MergedAdapters:

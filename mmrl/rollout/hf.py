@@ -116,7 +116,7 @@ class HFRolloutEngine:
         max_batch_rows: int = 256,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         decode: str = "eager",
-        lora_merge: str = "off",
+        lora_merge: str = "unmerged",
     ):
         self.model = model
         self.processor = processor

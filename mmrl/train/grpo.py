@@ -620,6 +620,8 @@ def learn_from_rollouts(
     metrics.update(rollout_metrics)
     metrics.update(baseline_metrics)
     metrics.update(inputs.mismatch_metrics(cfg, batch))
+    engine_facts = getattr(t.engine, "rollout_metrics", None)  # the HF engine's: LoRA merged, decode form
+    metrics.update(engine_facts() if callable(engine_facts) else {})
     metrics.update(mismatch_source_metrics(cfg, batch, inputs.old, inputs.rejected))
     metrics.update(step_metrics(batch, rewards, inputs.advantages, G))
     metrics["verifier/dropped"] = float(inputs.dropped.sum())
