@@ -684,6 +684,10 @@ class Config:
                 self.rollout.vllm_weight_sync in ("auto", "inprocess", "nccl"),
                 "rollout.vllm_weight_sync must be auto, inprocess or nccl",
             ),
+            (
+                self.rollout.engine != "vllm" or self.model.lora_rank <= 512,
+                f"model.lora_rank={self.model.lora_rank} with rollout.engine=vllm: vLLM serves LoRA ranks up to 512",
+            ),
             (self.rollout.vllm_sleep_level in (0, 1, 2), "rollout.vllm_sleep_level must be 0, 1 or 2"),
             (
                 self.rollout.vllm_tensor_parallel_size >= 1,
