@@ -22,6 +22,7 @@ shows in the `rollout/` mismatch metrics.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -136,6 +137,7 @@ class HFRolloutEngine:
         self._fingerprint: tuple[int, ...] = ()
         self._merged = MergedAdapters(model)
         self._metrics: dict[str, float] = {}
+        self._decode_stats = {"calls": 0, "seconds": 0.0, "kv_bytes": 0.0}
 
     @classmethod
     def from_policy(
@@ -178,9 +180,17 @@ class HFRolloutEngine:
     def rollout_metrics(self) -> dict[str, float]:
         """Facts about the last `generate` for the step's metrics: `rollout/lora_merged` (1: sampled
         with the adapters merged into the weights, so the `rollout/` mismatch metrics include
-        the merge's rounding), `rollout/decode_captured` (1: captured static steps) and
-        `rollout/compactions` (times finished rows were compacted out)."""
-        return dict(self._metrics)
+        the merge's rounding), `rollout/decode_captured` (1: captured static steps),
+        `rollout/compactions` (times finished rows were compacted out), and for the decode loop
+        (shared-prompt sampling) `rollout/decode_step_ms` (wall time per decode step, sampling
+        included) and `rollout/decode_kv_mb` (the live key/value cache a step attends to, mean:
+        running rows x their positions; with `decode_step_ms`, what the memory bound is taken of)."""
+        out = dict(self._metrics)
+        stats = self._decode_stats
+        if stats["calls"]:
+            out["rollout/decode_step_ms"] = 1000 * stats["seconds"] / stats["calls"]
+            out["rollout/decode_kv_mb"] = stats["kv_bytes"] / stats["calls"] / 2**20
+        return out
 
     @torch.no_grad()
     def generate(
@@ -206,6 +216,7 @@ class HFRolloutEngine:
         step = max(1, self.max_batch_rows // per_unit)
         merge = resolve_lora_merge(self.lora_merge, self.device) and self._merged.applies
         self._metrics = {"rollout/lora_merged": float(merge), "rollout/compactions": 0.0}
+        self._decode_stats = {"calls": 0, "seconds": 0.0, "kv_bytes": 0.0}
         chunks = []
         with self._merged.merged() if merge else contextlib.nullcontext():
             for start in range(0, len(units), step):
@@ -306,10 +317,14 @@ class HFRolloutEngine:
                 next_position = positions[..., -1:].index_select(-2, index) + 1  # [N, 1]: text continues by 1
                 if streamer is not None:
                     streamer.put(inputs["input_ids"][index].cpu())
-                steps = self._decode_steps(form, output_cache(out), index, inputs["attention_mask"], next_position,
+                cache = output_cache(out)
+                per_position = kv_bytes_per_position(cache)
+                steps = self._decode_steps(form, cache, index, inputs["attention_mask"], next_position,
                                            params.max_new_tokens)  # fmt: skip
-                del out
-                response, logprobs = self._decode(steps, logits, params, streamer)
+                del out, cache
+                response, logprobs = self._decode(
+                    steps, logits, params, streamer, positions.shape[-1], per_position
+                )
             if streamer is not None:
                 streamer.end()
         finally:
@@ -324,7 +339,13 @@ class HFRolloutEngine:
         return batch
 
     def _decode(
-        self, steps, logits: torch.Tensor, params: SamplingParams, streamer: BaseStreamer | None
+        self,
+        steps,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        streamer: BaseStreamer | None,
+        prompt_len: int,
+        kv_per_position: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampling loop: response ids [N, R] and their log-probs [N, R] (0 when greedy), R
         the steps run. `steps` holds the running rows' slots; `running[slot]` is the slot's row.
@@ -341,7 +362,7 @@ class HFRolloutEngine:
         logprobs = torch.zeros((N, R), dtype=torch.float32, device=device)
         finished = torch.zeros(N, dtype=torch.bool, device=device)
         running = torch.arange(N, device=device)
-        steps_run = R
+        steps_run, calls, kv_positions, start = R, 0, 0, time.perf_counter()
         for t in range(R):
             scores = masked_logits(logits, blocked, temperature)  # [n, V]
             if params.greedy:
@@ -366,6 +387,12 @@ class HFRolloutEngine:
                 running, token = running[slots], token[slots]
                 self._metrics["rollout/compactions"] = self._metrics.get("rollout/compactions", 0.0) + 1
             logits = steps.step(token)
+            calls += 1
+            kv_positions += live * (prompt_len + t + 1)  # the running rows attend to so many positions
+        stats = self._decode_stats
+        stats["calls"] += calls
+        stats["seconds"] += time.perf_counter() - start  # (the loop waits for the device every step)
+        stats["kv_bytes"] += kv_positions * kv_per_position
         return response[:, :steps_run], logprobs[:, :steps_run]
 
     # -- decode forms (mmrl.rollout.decode) -------------------------------------------------------
@@ -474,6 +501,15 @@ class _FinishedRows(BaseStreamer):
     def _finish(self, i: int) -> None:
         self.done[i] = True
         self.on_finished(i, self.tokenizer.decode(self.tokens[i], skip_special_tokens=True))
+
+
+def kv_bytes_per_position(cache) -> int:
+    """Bytes one row's key/value cache holds per position, over all layers."""
+    return sum(
+        layer.keys[0, :, 0].numel() * layer.keys.element_size()
+        + layer.values[0, :, 0].numel() * layer.values.element_size()
+        for layer in cache.layers
+    )
 
 
 def encode_prompts(
