@@ -32,7 +32,7 @@ Columns: tokens/s (generated, stop token included; flow: images/s), seconds per 
 the timed steps, after one warm-up step), the step split (rollout = the engine's `generate`,
 sampling and processor included; trainer forward and backward as timed around the model; the
 rest, optimizer and bookkeeping, is `outside`), peak device memory, and the decode step: its
-time (`rollout/decode_step_ms`) and the time to read once, at the measured bandwidth, the
+time (`time/decode_step_ms`) and the time to read once, at the measured bandwidth, the
 decoder's weights in the compute dtype and the live key/value cache (`rollout/decode_kv_mb`),
 and their ratio. For flow the step is one no-grad transformer forward at the sampler's batch,
 against max(weights / bandwidth, FLOPs / the measured matmul rate).
@@ -313,8 +313,8 @@ def run_mmrl(
                 sync(device)
                 seconds.append(time.perf_counter() - start)
                 tokens += m["throughput/generated_tokens_per_s"] * m["time/step_s"]
-                if "rollout/decode_step_ms" in m:
-                    decode_ms.append(m["rollout/decode_step_ms"])
+                if "time/decode_step_ms" in m:
+                    decode_ms.append(m["time/decode_step_ms"])
                     kv_mb.append(m["rollout/decode_kv_mb"])
     finally:
         t.router.close()

@@ -10,8 +10,9 @@ The run is the trainer's own step (`make_trainee` + `grpo_step`) with `trainer.d
 what it exercises is what `mmrl train` does: the policy and the KL reference placed on the device,
 generation, rewards, the chunked log-prob pass, mixed-precision updates. It prints, per step, the
 time, the generated tokens and the loss, then the median tokens/s over the steps after the first
-(warm-up) and the median decode step time (`rollout/decode_step_ms`), the peak device memory (`torch.cuda.max_memory_allocated`/`reserved`; on a CPU the
-process's peak resident set) and where the parameters live and in which dtypes. It fails (exit 1)
+(warm-up) and the median decode step time (`time/decode_step_ms`), the peak device memory
+(`torch.cuda.max_memory_allocated`/`reserved`; on a CPU the process's peak resident set) and
+where the parameters live and in which dtypes. It fails (exit 1)
 when a loss is not finite, when a parameter is not on the requested device, or when the trainable
 weights did not change.
 """
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if step > 0:
                 tokens_per_s.append(tokens / wall)
-                if "rollout/decode_step_ms" in row:
-                    decode_ms.append(row["rollout/decode_step_ms"])
+                if "time/decode_step_ms" in row:
+                    decode_ms.append(row["time/decode_step_ms"])
     finally:
         trainee.router.close()
 

@@ -182,13 +182,13 @@ class HFRolloutEngine:
         with the adapters merged into the weights, so the `rollout/` mismatch metrics include
         the merge's rounding), `rollout/decode_captured` (1: captured static steps),
         `rollout/compactions` (times finished rows were compacted out), and for the decode loop
-        (shared-prompt sampling) `rollout/decode_step_ms` (wall time per decode step, sampling
+        (shared-prompt sampling) `time/decode_step_ms` (wall time per decode step, sampling
         included) and `rollout/decode_kv_mb` (the live key/value cache a step attends to, mean:
         running rows x their positions; with `decode_step_ms`, what the memory bound is taken of)."""
         out = dict(self._metrics)
         stats = self._decode_stats
         if stats["calls"]:
-            out["rollout/decode_step_ms"] = 1000 * stats["seconds"] / stats["calls"]
+            out["time/decode_step_ms"] = 1000 * stats["seconds"] / stats["calls"]
             out["rollout/decode_kv_mb"] = stats["kv_bytes"] / stats["calls"] / 2**20
         return out
 
