@@ -340,6 +340,7 @@ STEP_MODULES = [
     "mmrl/train/forward.py",
     "mmrl/train/batching.py",
     "mmrl/rollout/hf.py",
+    "mmrl/rollout/decode.py",
     "mmrl/algos/advantages.py",
     "mmrl/algos/losses.py",
     "mmrl/algos/kl.py",
