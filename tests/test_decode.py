@@ -171,6 +171,22 @@ def test_under_bfloat16_autocast_the_captured_step_matches_static_with_a_tied_he
     assert all(p.dtype == torch.float32 for p in model.parameters())  # swapped back after the batch
 
 
+def test_a_step_that_cannot_be_captured_falls_back_to_uncaptured_with_a_warning(tiny_policy, caplog):
+    """A model whose decode step a CUDA graph cannot hold (a host sync in its code raises during
+    capture): the engine warns, decodes that batch and the later ones uncaptured, with the same
+    tokens as the static step, and says so in its metrics."""
+
+    def refuse(step, device, pool, reads):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    captured, static = _engine(tiny_policy, "captured", refuse), _engine(tiny_policy, "static")
+    with caplog.at_level(logging.WARNING, logger="mmrl.rollout.decode"):
+        got = _generate(captured, _samples(3), 0)
+    assert "capturing the decode step failed" in caplog.text and "stream is capturing" in caplog.text
+    assert captured.decode == "static" and captured.rollout_metrics()["rollout/decode_captured"] == 0.0
+    assert torch.equal(got.response_ids, _generate(static, _samples(3), 0).response_ids)
+
+
 def test_a_model_the_static_step_does_not_fit_decodes_eagerly_and_says_why(tiny_policy, caplog, monkeypatch):
     config = tiny_policy.model.config.get_text_config(decoder=True)
     monkeypatch.setattr(config, "_attn_implementation", "flash_attention_2")

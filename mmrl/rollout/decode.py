@@ -359,6 +359,8 @@ class StaticSteps:
         from mmrl.train.forward import cache_argument
 
         self.model, self.ws, self.buckets, self.capture = model, workspace, buckets, capture
+        self.capture_failed: str | None = None
+        """Why capturing failed, if it did (the steps then run uncaptured)."""
         self.cache_kw = cache_argument(model)
         n, P = index.shape[0], prompt_mask.shape[1]
         self.prompt_len, self.t, self.n = P, 0, n
@@ -449,11 +451,19 @@ class StaticSteps:
         if self.t > 0:
             self._open(self.prompt_len + self.t)
         bucket.ids[:n, 0] = tokens
+        if self.capture is not None and bucket.replay is None:
+            try:
+                self._capture(bucket)
+            except RuntimeError as exc:  # e.g. a host sync in the model's code, which a graph cannot hold
+                log.warning(
+                    "rollout.decode=captured: capturing the decode step failed (%s); this engine decodes "
+                    "uncaptured (static) from now on",
+                    exc,
+                )
+                self.capture, self.capture_failed = None, str(exc)
         if self.capture is None:
             logits = self._forward(bucket)
         else:
-            if bucket.replay is None:
-                self._capture(bucket)
             bucket.replay()
             logits = bucket.logits
         bucket.position.add_(1)
@@ -487,11 +497,13 @@ class StaticSteps:
                 + list(self.model.parameters())
             )
 
-        bucket.replay, bucket.logits = self.capture(
-            lambda: self._forward(bucket), self.ws.device, self.ws.pool, reads
-        )
-        for layer, length in zip(bucket.cache.layers, lengths):  # (a capture records; a stand-in runs)
-            layer.cumulative_length.copy_(length)
+        try:
+            bucket.replay, bucket.logits = self.capture(
+                lambda: self._forward(bucket), self.ws.device, self.ws.pool, reads
+            )
+        finally:
+            for layer, length in zip(bucket.cache.layers, lengths):  # (a capture records; a stand-in runs)
+                layer.cumulative_length.copy_(length)
         log.info("decode step captured for %d rows (cache length %d)", bucket.rows, self.ws.max_len)
 
     # -- compaction ----------------------------------------------------------------------------

@@ -325,6 +325,9 @@ class HFRolloutEngine:
                 response, logprobs = self._decode(
                     steps, logits, params, streamer, positions.shape[-1], per_position
                 )
+                if getattr(steps, "capture_failed", None):  # said once, as a warning; not tried again
+                    self.decode = "static"
+                    self._metrics["rollout/decode_captured"] = 0.0
             if streamer is not None:
                 streamer.end()
         finally:
