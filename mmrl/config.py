@@ -164,6 +164,19 @@ class RolloutConfig:
     vllm_tensor_parallel_size: int = 1
     """vLLM: GPUs each engine shards the model over (tensor parallelism); with the Ray backend
     each rollout worker needs that many (`trainer.ray_gpus_per_actor`)."""
+    vllm_weight_sync: str = "auto"
+    """vLLM: how new weights reach the engine (never through its RPC): `inprocess` (the engine
+    runs in this process, weights loaded straight into its model), `nccl` (a separate engine:
+    names, dtypes and shapes by RPC, the data broadcast over NCCL from this process's GPU, which
+    must not be one of the engine's), or `auto` (inprocess with one GPU per engine, else nccl)."""
+    decode: str = "auto"
+    """HF engine decode steps (`mmrl.rollout.decode`): `eager`, `static` (a static KV cache of
+    fixed shapes per batch-size bucket), `captured` (static, captured once per bucket as a CUDA
+    graph and replayed; CUDA only) or `auto` (captured on CUDA, eager elsewhere)."""
+    lora_merge: str = "auto"
+    """HF engine with LoRA: `merged` (the adapters merged into the weights for the rollout, the
+    weights restored exactly after it), `unmerged`, or `auto` (merged on CUDA). The trainer
+    scores unmerged; the merge's rounding shows in the `rollout/` mismatch metrics."""
 
 
 @dataclass
@@ -723,6 +736,22 @@ class Config:
                 "optim.schedule must be constant, linear or cosine",
             ),
             (self.rollout.engine in ("hf", "vllm"), "rollout.engine must be hf or vllm"),
+            (
+                self.rollout.decode in ("auto", "eager", "static", "captured"),
+                "rollout.decode must be auto, eager, static or captured",
+            ),
+            (
+                self.rollout.lora_merge in ("auto", "merged", "unmerged"),
+                "rollout.lora_merge must be auto, merged or unmerged",
+            ),
+            (
+                self.rollout.vllm_weight_sync in ("auto", "inprocess", "nccl"),
+                "rollout.vllm_weight_sync must be auto, inprocess or nccl",
+            ),
+            (
+                self.rollout.engine != "vllm" or self.model.lora_rank <= 512,
+                f"model.lora_rank={self.model.lora_rank} with rollout.engine=vllm: vLLM serves LoRA ranks up to 512",
+            ),
             (self.rollout.vllm_sleep_level in (0, 1, 2), "rollout.vllm_sleep_level must be 0, 1 or 2"),
             (
                 self.rollout.vllm_tensor_parallel_size >= 1,

@@ -503,7 +503,7 @@ def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Tr
         reward_models=reward_models,
         policy=policy,
         reference=reference,
-        engine=HFRolloutEngine.from_policy(policy, max_batch_rows=cfg.rollout.max_batch_rows),
+        engine=HFRolloutEngine.from_policy(policy, rollout=cfg.rollout),
         router=make_router(cfg),
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
@@ -621,6 +621,8 @@ def learn_from_rollouts(
     metrics.update(rollout_metrics)
     metrics.update(baseline_metrics)
     metrics.update(inputs.mismatch_metrics(cfg, batch))
+    engine_facts = getattr(t.engine, "rollout_metrics", None)  # the HF engine's: LoRA merged, decode form
+    metrics.update(engine_facts() if callable(engine_facts) else {})
     metrics.update(mismatch_source_metrics(cfg, batch, inputs.old, inputs.rejected))
     metrics.update(step_metrics(batch, rewards, inputs.advantages, G))
     metrics["verifier/dropped"] = float(inputs.dropped.sum())
