@@ -19,12 +19,14 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from mmrl.models.precision import DTYPES
-from mmrl.models.tiny import TinyVLMSpec
-from mmrl.models.tiny import architectures as tiny_architectures
+# Light imports only: `import mmrl.config` must not load torch or transformers, so that `--help`
+# and a config error answer at once (tests/test_cli.py checks it in a fresh interpreter).
+from mmrl.models.tiny_spec import TINY_ARCHITECTURES, TinyVLMSpec
 from mmrl.rewards.config import ModelRewardsConfig
 
-DTYPE_NAMES = ("auto", *DTYPES)
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+"""What `model.dtype` / `model.master_dtype` accept (`mmrl.models.precision.DTYPES` maps the names
+to torch dtypes)."""
 
 
 @dataclass
@@ -637,8 +639,8 @@ class Config:
             ),
             (self.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
             (
-                self.model.tiny.architecture in tiny_architectures(),
-                f"model.tiny.architecture must be one of {', '.join(tiny_architectures())}",
+                self.model.tiny.architecture in TINY_ARCHITECTURES,
+                f"model.tiny.architecture must be one of {', '.join(TINY_ARCHITECTURES)}",
             ),
             (self.model.dtype in DTYPE_NAMES, f"model.dtype must be one of {', '.join(DTYPE_NAMES)}"),
             (
@@ -951,6 +953,16 @@ class Config:
 def task_names() -> list[str]:
     """Tasks with a recipe in `configs/`."""
     return sorted(p.name[:-5] for p in resources.files("mmrl.configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_kind(task: str) -> str | None:
+    """The top-level `kind` of `configs/<task>.yaml` (`diffusion`, `decoupled`; None: a VLM
+    recipe, or no such recipe). Read without loading the trainers, so the CLI can pick one."""
+    recipe = resources.files("mmrl.configs") / f"{task}.yaml"
+    if not recipe.is_file():
+        return None
+    conf = OmegaConf.create(recipe.read_text())
+    return conf.get("kind") if isinstance(conf, type(OmegaConf.create({}))) else None
 
 
 def load_config(

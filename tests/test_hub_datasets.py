@@ -214,3 +214,38 @@ def test_a_hub_ids_split_config_revision_and_streaming_reach_load_dataset(local_
         ("hiyouga/geometry3k", {"streaming": True, "name": "geo", "revision": "abc123", "split": "train"})
     ]
     assert len(samples) == 3
+
+
+@pytest.mark.parametrize("offline", ["1", ""])
+def test_a_mistyped_relative_path_names_the_missing_file_never_the_hub(offline, monkeypatch, tmp_path):
+    """`nothere.jsonl` and `data/train.jsonl` are local paths that do not exist, offline and
+    online: the error names the file and the folder it was resolved from, and the hub is never
+    asked (it used to be taken for a hub dataset id: "not in the local cache" offline, minutes
+    of retries and "cannot open hub dataset" online)."""
+    import mmrl.hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(mmrl.hub, "ask_hub", lambda *a, **k: pytest.fail("the hub was asked"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for entry, missing in (
+        ("nothere.jsonl", "nothere.jsonl"),
+        ("data/train.jsonl@train", "data/train.jsonl"),
+    ):
+        with pytest.raises(FileNotFoundError) as info:
+            read_source(entry)
+        assert str(info.value) == (
+            f"data source {entry!r}: no such file or folder: {tmp_path / missing} (a relative path, resolved "
+            f"from the current folder {tmp_path})"
+        )
+
+
+def test_loading_logs_each_sources_layout_and_row_count(local_datasets, caplog):
+    import logging
+
+    from mmrl.datasets.sources import load_source
+
+    with caplog.at_level(logging.INFO, logger="mmrl.datasets.sources"):
+        loaded = load_source(f"{local_datasets / 'orsta'}@test")
+    assert (len(loaded.samples), loaded.layout, loaded.origin) == (8, "vtriune", "folder")
+    assert f"data source {local_datasets / 'orsta'}@test: 8 samples, vtriune layout (folder)" in caplog.text

@@ -8,7 +8,7 @@ import numpy as np
 
 from mmrl.config import Config
 from mmrl.datasets.procedural import make_samples
-from mmrl.datasets.sources import read_source
+from mmrl.datasets.sources import load_source
 from mmrl.router import import_plugins
 from mmrl.types import Sample
 
@@ -26,24 +26,43 @@ def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
     """Training and held-out samples: from files or datasets by name when given
     (`mmrl.datasets.sources`: sample files, hub ids, `load_dataset` / `load_from_disk` sources),
     else procedural kinds. Every record is validated here, before anything trains."""
+    train, heldout, _ = load_data_report(cfg)
+    return train, heldout
+
+
+def load_data_report(cfg: Config) -> tuple[list[Sample], list[Sample], dict[str, list[dict]]]:
+    """`load_data`, and what was loaded: `{"train": [...], "heldout": [...]}`, one entry per
+    source with its row count, detected layout and origin (the run's `summary.json` keeps it)."""
     import_plugins(cfg.reward.plugins)  # verifier names are checked while loading
     d = cfg.data
     kw = dict(kinds_=d.kinds, seed=d.seed, image_size=d.image_size)
-    if d.train_files:
-        train = [s for f in d.train_files for s in read_source(f, max_prompt_chars=d.max_prompt_chars)]
-    else:
-        train = make_samples(n=d.num_train, split="train", **kw)
+    report: dict[str, list[dict]] = {"train": [], "heldout": []}
+
+    def read(files: list[str], split: str) -> list[Sample]:
+        loaded = [load_source(f, max_prompt_chars=d.max_prompt_chars) for f in files]
+        report[split] = [source.summary() for source in loaded]
+        return [s for source in loaded for s in source.samples]
+
+    def generate(n: int, split: str) -> list[Sample]:
+        samples = make_samples(n=n, split=split, **kw)
+        kinds = ",".join(d.kinds)
+        report[split] = [
+            {"entry": f"{d.task}:{kinds}", "rows": len(samples), "layout": "procedural", "origin": "built-in"}
+        ]
+        return samples
+
+    train = read(d.train_files, "train") if d.train_files else generate(d.num_train, "train")
     if d.heldout_files:
-        heldout = [s for f in d.heldout_files for s in read_source(f, max_prompt_chars=d.max_prompt_chars)]
+        heldout = read(d.heldout_files, "heldout")
     elif not d.train_files:
-        heldout = make_samples(n=d.num_heldout, split="heldout", **kw)
+        heldout = generate(d.num_heldout, "heldout")
     else:
         raise ValueError("data.train_files is set: give data.heldout_files too")
     if not train:
         raise ValueError("no training samples")
     if not heldout:
         raise ValueError("no held-out samples (data.heldout_files or data.num_heldout)")
-    return train, heldout
+    return train, heldout, report
 
 
 class PromptSampler:
