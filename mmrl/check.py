@@ -497,10 +497,14 @@ def _check_diffusion(
     return report
 
 
-def check_eval(model: str, suite: str | None, judge_model: str | None, media_root: str | None) -> Report:
-    """`mmrl eval`'s model (local folder or hub id), suite, judge and media folder."""
+def check_eval(
+    model: str, suite: str | None, judge_model: str | None, media_root: str | None, base: str | None = None
+) -> Report:
+    """`mmrl eval`'s model (local folder or hub id), suite, judge, media folder and pass@k base."""
     report = Report()
     line = _check_model(report, model, None, "--model", online=True)
+    if base is not None:
+        _check_model(report, base, None, "--base", online=True)
     if suite is not None and not Path(suite).exists():
         report.add("--suite", f"no such suite folder or file: {Path(suite).resolve()}")
     if judge_model is not None:

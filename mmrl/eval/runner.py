@@ -640,7 +640,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--suite", metavar="PATH", help="suite folder or file (default: the built-in mini-suite)"
     )
-    parser.add_argument("--model", metavar="PATH", help="local Hugging Face VLM folder to evaluate")
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="the VLM to evaluate: a local Hugging Face folder or a hub id (org/name)",
+    )
     parser.add_argument("--output", metavar="DIR", help="output folder (default: eval-<model name>)")
     parser.add_argument("--max-queries", type=int, metavar="N", help="at most N queries per task")
     parser.add_argument("--tasks", nargs="+", metavar="NAME", default=[], help="only these tasks")
@@ -735,6 +739,12 @@ def run_eval_command(args: argparse.Namespace) -> int:
         if not args.model:
             print("mmrl eval: error: --model is required (or --curves RUN_DIR ...)", file=sys.stderr)
             return 2
+        from mmrl.check import check_eval
+
+        # The model (a folder, or a hub id asked about once), the suite, the judge: before loading.
+        report = check_eval(args.model, args.suite, args.judge_model, args.media_root, args.base)
+        if report.problems:
+            return report.print("eval")
         cfg = config_from_args(args)
         suite_path = cfg.suite
         if suite_path is None:
