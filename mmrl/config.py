@@ -134,6 +134,10 @@ class DataConfig:
     built-in pool) to every math-ability prompt (V-Triune's randomised prompt pool)."""
     cot_prompt_pool: list[str] = field(default_factory=list)
     """Instructions to draw from; empty: `mmrl.train.data.DEFAULT_COT_PROMPTS`."""
+    source_aliases: dict[str, str] = field(default_factory=dict)
+    """Short names of data sources, as metric names and the logs show them
+    (`{hiyouga/geometry3k: geo3k}`). A source not listed whose name has a `/` is shortened to its
+    last part (`hiyouga/geometry3k` -> `geometry3k`) unless two sources would then share it."""
     max_prompt_chars: int = 200_000
     """A sample file's record whose prompt text is longer than this many characters is refused
     when the file is loaded (naming file, line and id), not deep inside the tokenizer later."""
@@ -481,6 +485,10 @@ class TrainerConfig:
     """Weights & Biases settings (with `wandb` in `loggers`)."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     """MLflow settings (with `mlflow` in `loggers`)."""
+    log_generations: int = 8
+    """Rows of the sample-generations table (prompt, image thumbnail, response, reward and each
+    component) the trackers get at every held-out evaluation: the first N held-out samples, the
+    same ones each time; also written to `<run_dir>/generations.jsonl`. 0: none."""
     eval_suite: str | None = None
     """A MEGA-Bench-style suite evaluated during training (a path, or `builtin` for the built-in
     mini-suite); None: off."""
@@ -578,6 +586,7 @@ class Config:
                 "trainer.eval_suite_max_queries must be >= 1 (or null: all)",
             ),
             (t.threads >= 0, f"trainer.threads must be >= 0, got {t.threads}"),
+            (t.log_generations >= 0, f"trainer.log_generations must be >= 0, got {t.log_generations}"),
             *logger_checks(t),
             (r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}"),
             (r.max_batch_rows >= 1, f"rollout.max_batch_rows must be >= 1, got {r.max_batch_rows}"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import numpy as np
 
@@ -11,6 +12,8 @@ from mmrl.datasets.procedural import make_samples
 from mmrl.datasets.sources import load_source
 from mmrl.router import import_plugins
 from mmrl.types import Sample
+
+log = logging.getLogger(__name__)
 
 DEFAULT_COT_PROMPTS: tuple[str, ...] = (
     " Think step by step, then give the final answer in \\boxed{}.",
@@ -62,7 +65,30 @@ def load_data_report(cfg: Config) -> tuple[list[Sample], list[Sample], dict[str,
         raise ValueError("no training samples")
     if not heldout:
         raise ValueError("no held-out samples (data.heldout_files or data.num_heldout)")
+    names = short_source_names({s.data_source for s in train + heldout}, d.source_aliases)
+    if any(old != new for old, new in names.items()):
+        for sample in train + heldout:
+            sample.data_source = names[sample.data_source]
+        report["source_names"] = [
+            {"data_source": old, "name": new} for old, new in names.items() if old != new
+        ]
+    for split, sources in (("train", report["train"]), ("heldout", report["heldout"])):
+        log.info(
+            "%s data: %s",
+            split,
+            "; ".join(f"{s['entry']}: {s['rows']} samples, {s['layout']} layout" for s in sources),
+        )
     return train, heldout, report
+
+
+def short_source_names(sources: set[str], aliases: dict[str, str]) -> dict[str, str]:
+    """`{data_source: name in metrics}`: `aliases` first; a `/` in any other name keeps only its
+    last part (`hiyouga/geometry3k` -> `geometry3k`), unless that would give two sources one name."""
+    names = {s: aliases.get(s) or s.rsplit("/", 1)[-1] or s for s in sources}
+    taken: dict[str, list[str]] = {}
+    for source, name in names.items():
+        taken.setdefault(name, []).append(source)
+    return {s: (n if len(taken[n]) == 1 else aliases.get(s, s)) for s, n in names.items()}
 
 
 class PromptSampler:
