@@ -384,6 +384,12 @@ def run_suite(
         cache.put(rec)
 
     generated = 0
+    log.info(
+        "eval: %d queries to generate, %d to score again from %s",
+        len(to_generate),
+        len(to_score),
+        RECORDS_FILE,
+    )
     engine = as_engine(model, cfg.batch_size) if to_generate else None
     params = SamplingParams(n=1, greedy=True, max_new_tokens=cfg.max_new_tokens)
     total = len(to_generate) + len(to_score)

@@ -226,6 +226,7 @@ def train(cfg: Config) -> TrainResult:
 
     def run_eval(step: int) -> float:
         # A stop asked during an evaluation ends it between two responses (EvaluationInterrupted).
+        log.info("step %d: held-out evaluation of %d samples", step, len(heldout))
         evaluation = run_evaluation(
             t.engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total),
             progress=cfg.trainer.progress, should_stop=lambda: stop.requested,
