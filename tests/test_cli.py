@@ -74,6 +74,10 @@ def test_short_run_writes_a_complete_run_directory(base_path, tmp_path):
     assert (run_dir / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["model_path"] == base_path
+    assert summary["data"]["train"] == [
+        {"entry": "vision_reasoning:colour_code", "rows": 4096, "layout": "procedural", "origin": "built-in"}
+    ]
+    assert "train data: vision_reasoning:colour_code: 4096 samples, procedural layout" in out.stderr
     load_policy(run_dir / "final")  # the final checkpoint is a loadable HF folder
 
 
@@ -311,3 +315,20 @@ def test_the_light_name_lists_agree_with_the_builders():
 
     assert ARCHITECTURES == FAMILY_ARCHITECTURES
     assert ("auto", *DTYPES) == DTYPE_NAMES
+
+
+def test_check_reads_gpus_from_nvidia_smi_restricted_to_cuda_visible_devices(tmp_path, monkeypatch):
+    """`nvidia-smi`'s CSV (a stand-in script on PATH), and only the GPUs CUDA_VISIBLE_DEVICES names."""
+    from mmrl.check import visible_gpus
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\necho '0, NVIDIA H200, 143771, 140000'\necho '1, NVIDIA H200, 143771, 100000'\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [g["index"] for g in visible_gpus()] == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    (gpu,) = visible_gpus()
+    assert gpu == {"index": "1", "name": "NVIDIA H200", "total_mib": 143771.0, "free_mib": 100000.0}

@@ -249,3 +249,36 @@ def test_loading_logs_each_sources_layout_and_row_count(local_datasets, caplog):
         loaded = load_source(f"{local_datasets / 'orsta'}@test")
     assert (len(loaded.samples), loaded.layout, loaded.origin) == (8, "vtriune", "folder")
     assert f"data source {local_datasets / 'orsta'}@test: 8 samples, vtriune layout (folder)" in caplog.text
+
+
+def test_hub_data_source_names_are_shortened_for_metric_names(tmp_path):
+    """`hiyouga/geometry3k` (veRL's geo3k rows carry it) made names like
+    `response/length_mean/correct/hiyouga/geometry3k`; it becomes `geometry3k`, an alias when one
+    is given, and stays whole where shortening would merge two sources."""
+    from mmrl.datasets.readers import write_jsonl
+    from mmrl.train.data import load_data_report, short_source_names
+
+    assert short_source_names({"hiyouga/geometry3k", "local"}, {}) == {
+        "hiyouga/geometry3k": "geometry3k",
+        "local": "local",
+    }
+    assert short_source_names({"hiyouga/geometry3k"}, {"hiyouga/geometry3k": "geo3k"}) == {
+        "hiyouga/geometry3k": "geo3k"
+    }
+    assert short_source_names({"a/x", "b/x"}, {}) == {"a/x": "a/x", "b/x": "b/x"}
+    samples = make_samples(["colour_code"], 4, "train")
+    for s in samples:
+        s.data_source = "hiyouga/geometry3k"
+    write_jsonl(samples, tmp_path / "geo.jsonl")
+    files = [f"data.train_files=[{tmp_path / 'geo.jsonl'}]", f"data.heldout_files=[{tmp_path / 'geo.jsonl'}]"]
+    train, heldout, report = load_data_report(load_config("vision_reasoning", overrides=files))
+    assert {s.data_source for s in train + heldout} == {"geometry3k"}
+    assert report["source_names"] == [{"data_source": "hiyouga/geometry3k", "name": "geometry3k"}]
+    assert report["train"] == [
+        {"entry": str(tmp_path / "geo.jsonl"), "rows": 4, "layout": "mmrl", "origin": "file"}
+    ]
+    cfg = load_config(
+        "vision_reasoning", overrides=[*files, "data.source_aliases={hiyouga/geometry3k: geo3k}"]
+    )
+    train, _, _ = load_data_report(cfg)
+    assert {s.data_source for s in train} == {"geo3k"}

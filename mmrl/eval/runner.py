@@ -767,6 +767,13 @@ def run_eval_command(args: argparse.Namespace) -> int:
             f"Open {_fmt(s['open'])} ({s['num_tasks']['open']} tasks)  {s['num_queries']} queries scored, "
             f"{result.generated} generated this run, {sum(s['skipped'].values())} skipped; results in {cfg.output_dir}"
         )
+        # A metric whose package is missing skips its queries: say so here, with the install line.
+        missing: dict[str, int] = {}
+        for skip in result.skipped_queries:
+            if skip["reason"] == "unavailable_metric":
+                missing[skip["error"]] = missing.get(skip["error"], 0) + 1
+        for error, n in sorted(missing.items()):
+            print(f"{n} queries skipped: {error}")
         if cfg.pass_k > 0:
             from mmrl.eval.curves import pass_at_k_report
 
