@@ -25,22 +25,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PACKAGES: dict[str, tuple[str, str]] = {
-    "ray": ("ray", "distributed"),
-    "deepspeed": ("deepspeed", "distributed"),
-    "vllm": ("vllm", "vllm"),
-    "wandb": ("wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow"),
-    "tensorboard": ("tensorboard", "dev"),
-    "datasets": ("datasets", "hub"),
-    "open_clip": ("open_clip", "rewards"),
-    "rapidocr": ("rapidocr", "rewards"),
-    "lpips": ("lpips", "rewards"),
-    "diffusers": ("diffusers", "diffusion"),
-    "fastapi": ("fastapi", "serve"),
-    "uvicorn": ("uvicorn", "serve"),
+PACKAGES: dict[str, str] = {
+    "ray": "pip install 'mmrl[distributed]'",
+    "deepspeed": "pip install 'mmrl[distributed]'",
+    "vllm": "pip install 'mmrl[vllm]'",
+    "wandb": "pip install 'mmrl[wandb]'",
+    "mlflow": "pip install 'mmrl[mlflow]'",
+    "tensorboard": "pip install tensorboard",
+    "datasets": "pip install 'mmrl[hub]'",
+    "open_clip": "pip install 'mmrl[rewards]'",
+    "rapidocr": "pip install 'mmrl[rewards]'",
+    "lpips": "pip install 'mmrl[rewards]'",
+    "diffusers": "pip install 'mmrl[diffusion]'",
+    "fastapi": "pip install 'mmrl[serve]'",
+    "uvicorn": "pip install 'mmrl[serve]'",
 }
-"""What a run may need: the module to find, and the extra that installs it."""
+"""What a run may need, by the module to find: the line that installs it."""
 
 REWARD_PACKAGES: dict[str, tuple[str, ...]] = {
     "aesthetic": ("open_clip",),
@@ -318,8 +318,8 @@ def _check_packages(report: Report, needs: list[tuple[str, str]]) -> None:
             continue
         seen.add(module)
         if importlib.util.find_spec(module) is None:
-            extra = PACKAGES.get(module, (module, module))[1]
-            report.add(f"package {module}", f"needed ({why}) but not installed: pip install 'mmrl[{extra}]'")
+            install = PACKAGES.get(module, f"pip install {module}")
+            report.add(f"package {module}", f"needed ({why}) but not installed: {install}")
 
 
 # --------------------------------------------------------------------------- GPU

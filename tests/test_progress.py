@@ -68,6 +68,10 @@ def test_the_held_out_evaluation_counts_its_responses_and_stops_between_two(tiny
     samples = make_samples(["colour_code"], 6, "heldout")
     evaluation = run_evaluation(engine, router, samples, 4, progress=True, generations=2)
     assert bars[-1].n == 6 and bars[-1].desc == "held-out eval"
+    # Watching the responses finish changes nothing in them: the same metrics as without a bar.
+    from mmrl.train.evaluation import evaluate
+
+    assert evaluation.metrics == evaluate(engine, router, samples, 4)
     assert [row["id"] for row in evaluation.generations] == [s.id for s in samples[:2]]
     assert set(evaluation.generations[0]) >= {"prompt", "image", "response", "reward", "components"}
     seen = []

@@ -747,10 +747,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
             return 2
         from mmrl.check import check_eval
 
-        # The model (a folder, or a hub id asked about once), the suite, the judge: before loading.
+        # The model (a folder, or a hub id asked about once), the suite, the judge: before loading
+        # the model, every problem on its own line.
         report = check_eval(args.model, args.suite, args.judge_model, args.media_root, args.base)
-        if report.problems:
-            return report.print("eval")
         cfg = config_from_args(args)
         suite_path = cfg.suite
         if suite_path is None:
@@ -759,7 +758,14 @@ def run_eval_command(args: argparse.Namespace) -> int:
             suite_path = str(
                 builtin_suite_path(cfg.builtin_queries_per_task, cfg.builtin_seed, cfg.builtin_image_size)
             )
-        suite = load_suite(suite_path, cfg.media_root)
+        suite = None
+        if Path(suite_path).exists():
+            try:
+                suite = load_suite(suite_path, cfg.media_root)
+            except SuiteError as exc:
+                report.add("--suite", str(exc))
+        if report.problems:
+            return report.print("eval")
         result = run_suite(args.model, suite, cfg)
         s = result.summary
         print(
@@ -777,12 +783,12 @@ def run_eval_command(args: argparse.Namespace) -> int:
         if cfg.pass_k > 0:
             from mmrl.eval.curves import pass_at_k_report
 
-            report = pass_at_k_report(
+            pass_k = pass_at_k_report(
                 args.model, suite, cfg, base=cfg.base_model, out_dir=Path(cfg.output_dir)
             )
-            for label, curve in report["curves"].items():
+            for label, curve in pass_k["curves"].items():
                 print(
-                    f"pass@k {label}: " + "  ".join(f"@{k}={100 * v:.1f}" for k, v in zip(report["k"], curve))
+                    f"pass@k {label}: " + "  ".join(f"@{k}={100 * v:.1f}" for k, v in zip(pass_k["k"], curve))
                 )
         return 0
     except (SuiteError, ValueError, FileNotFoundError, KeyError) as exc:

@@ -95,7 +95,8 @@ def save_checkpoint(
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f"{TMP_PREFIX}{step:08d}_{os.getpid()}"
-    large = sum(p.numel() * p.element_size() for p in model.parameters()) >= PROGRESS_MIN_BYTES
+    params = model.parameters() if hasattr(model, "parameters") else ()  # flow-GRPO saves a weights holder
+    large = sum(p.numel() * p.element_size() for p in params) >= PROGRESS_MIN_BYTES
     # A large model's checkpoint takes minutes: a bar on a terminal (tqdm's None: only on a TTY).
     bar = tqdm(
         total=4, desc=f"checkpoint step {step}", unit="part", disable=None if large else True, leave=False
