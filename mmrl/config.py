@@ -136,8 +136,9 @@ class DataConfig:
     """Instructions to draw from; empty: `mmrl.train.data.DEFAULT_COT_PROMPTS`."""
     source_aliases: dict[str, str] = field(default_factory=dict)
     """Short names of data sources, as metric names and the logs show them
-    (`{hiyouga/geometry3k: geo3k}`). A source not listed whose name has a `/` is shortened to its
-    last part (`hiyouga/geometry3k` -> `geometry3k`) unless two sources would then share it."""
+    (`{hiyouga/geometry3k: geo3k}`). A source of rows read from the hub that is not listed and
+    whose name has a `/` is shortened to its last part (`hiyouga/geometry3k` -> `geometry3k`)
+    unless two sources would then share it; other sources keep their names."""
     max_prompt_chars: int = 200_000
     """A sample file's record whose prompt text is longer than this many characters is refused
     when the file is loaded (naming file, line and id), not deep inside the tokenizer later."""

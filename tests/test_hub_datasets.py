@@ -251,10 +251,12 @@ def test_loading_logs_each_sources_layout_and_row_count(local_datasets, caplog):
     assert f"data source {local_datasets / 'orsta'}@test: 8 samples, vtriune layout (folder)" in caplog.text
 
 
-def test_hub_data_source_names_are_shortened_for_metric_names(tmp_path):
-    """`hiyouga/geometry3k` (veRL's geo3k rows carry it) made names like
-    `response/length_mean/correct/hiyouga/geometry3k`; it becomes `geometry3k`, an alias when one
-    is given, and stays whole where shortening would merge two sources."""
+def test_hub_data_source_names_are_shortened_for_metric_names(tmp_path, monkeypatch):
+    """veRL's geo3k rows carry `data_source: hiyouga/geometry3k`, which made names like
+    `response/length_mean/correct/hiyouga/geometry3k`: read from the hub it becomes `geometry3k`
+    (an alias when one is given; whole where shortening would merge two sources). A local file's
+    sources keep their names unless aliased."""
+    import datasets
     from mmrl.datasets.readers import write_jsonl
     from mmrl.train.data import load_data_report, short_source_names
 
@@ -266,19 +268,54 @@ def test_hub_data_source_names_are_shortened_for_metric_names(tmp_path):
         "hiyouga/geometry3k": "geo3k"
     }
     assert short_source_names({"a/x", "b/x"}, {}) == {"a/x": "a/x", "b/x": "b/x"}
-    samples = make_samples(["colour_code"], 4, "train")
-    for s in samples:
-        s.data_source = "hiyouga/geometry3k"
-    write_jsonl(samples, tmp_path / "geo.jsonl")
-    files = [f"data.train_files=[{tmp_path / 'geo.jsonl'}]", f"data.heldout_files=[{tmp_path / 'geo.jsonl'}]"]
-    train, heldout, report = load_data_report(load_config("vision_reasoning", overrides=files))
+    verl_rows = [
+        {
+            "data_source": "hiyouga/geometry3k",
+            "prompt": [{"role": "user", "content": s.prompt[0]["content"]}],
+            "images": [{"bytes": _png(s), "path": None}],
+            "reward_model": {"style": "rule", "ground_truth": s.reward_model.ground_truth},
+            "extra_info": {"index": i},
+        }
+        for i, s in enumerate(make_samples(["colour_code"], 4, "train"))
+    ]
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: datasets.Dataset.from_list(verl_rows))
+    hub = ["data.train_files=[hiyouga/geometry3k@train]", "data.heldout_files=[hiyouga/geometry3k@test]"]
+    train, heldout, report = load_data_report(load_config("vision_reasoning", overrides=hub))
     assert {s.data_source for s in train + heldout} == {"geometry3k"}
     assert report["source_names"] == [{"data_source": "hiyouga/geometry3k", "name": "geometry3k"}]
     assert report["train"] == [
-        {"entry": str(tmp_path / "geo.jsonl"), "rows": 4, "layout": "mmrl", "origin": "file"}
+        {"entry": "hiyouga/geometry3k@train", "rows": 4, "layout": "verl", "origin": "hub"}
     ]
-    cfg = load_config(
-        "vision_reasoning", overrides=[*files, "data.source_aliases={hiyouga/geometry3k: geo3k}"]
+    train, _, _ = load_data_report(
+        load_config("vision_reasoning", overrides=[*hub, "data.source_aliases={hiyouga/geometry3k: geo3k}"])
     )
-    train, _, _ = load_data_report(cfg)
     assert {s.data_source for s in train} == {"geo3k"}
+    samples = make_samples(["colour_code"], 4, "train")
+    write_jsonl(samples, tmp_path / "local.jsonl")
+    files = [
+        f"data.train_files=[{tmp_path / 'local.jsonl'}]",
+        f"data.heldout_files=[{tmp_path / 'local.jsonl'}]",
+    ]
+    train, _, report = load_data_report(load_config("vision_reasoning", overrides=files))
+    assert {s.data_source for s in train} == {"vision_reasoning/colour_code"} and "source_names" not in report
+    aliased = [*files, "data.source_aliases={vision_reasoning/colour_code: colours}"]
+    train, _, _ = load_data_report(load_config("vision_reasoning", overrides=aliased))
+    assert {s.data_source for s in train} == {"colours"}
+
+
+def _png(sample) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    sample.pil_images()[0].save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_built_in_sources_keep_their_names():
+    from mmrl.train.data import load_data_report
+
+    train, heldout, report = load_data_report(
+        load_config("vision_reasoning", overrides=["data.num_train=8", "data.num_heldout=4"])
+    )
+    assert {s.data_source for s in train + heldout} == {"vision_reasoning/colour_code"}
+    assert "source_names" not in report and len(train) == 8 and len(heldout) == 4

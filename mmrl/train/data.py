@@ -40,10 +40,12 @@ def load_data_report(cfg: Config) -> tuple[list[Sample], list[Sample], dict[str,
     d = cfg.data
     kw = dict(kinds_=d.kinds, seed=d.seed, image_size=d.image_size)
     report: dict[str, list[dict]] = {"train": [], "heldout": []}
+    from_hub: set[str] = set()
 
     def read(files: list[str], split: str) -> list[Sample]:
         loaded = [load_source(f, max_prompt_chars=d.max_prompt_chars) for f in files]
         report[split] = [source.summary() for source in loaded]
+        from_hub.update(s.data_source for source in loaded if source.origin == "hub" for s in source.samples)
         return [s for source in loaded for s in source.samples]
 
     def generate(n: int, split: str) -> list[Sample]:
@@ -65,7 +67,12 @@ def load_data_report(cfg: Config) -> tuple[list[Sample], list[Sample], dict[str,
         raise ValueError("no training samples")
     if not heldout:
         raise ValueError("no held-out samples (data.heldout_files or data.num_heldout)")
-    names = short_source_names({s.data_source for s in train + heldout}, d.source_aliases)
+    # Sources of rows read from the hub named like a hub id (veRL's `hiyouga/geometry3k`) are
+    # shortened; every other keeps its name (`vision_reasoning/colour_code`) unless aliased.
+    names = short_source_names(from_hub, d.source_aliases)
+    names.update(
+        {s: d.source_aliases.get(s, s) for s in {x.data_source for x in train + heldout} - names.keys()}
+    )
     if any(old != new for old, new in names.items()):
         for sample in train + heldout:
             sample.data_source = names[sample.data_source]
