@@ -20,13 +20,15 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from mmrl.models.precision import DTYPES
-from mmrl.models.tiny import TinyVLMSpec
-from mmrl.models.tiny import architectures as tiny_architectures
+# Light imports only: `import mmrl.config` must not load torch or transformers, so that `--help`
+# and a config error answer at once (tests/test_cli.py checks it in a fresh interpreter).
+from mmrl.models.tiny_spec import TINY_ARCHITECTURES, TinyVLMSpec
 from mmrl.rewards.config import ModelRewardsConfig
 from mmrl.types import AnswerLimits
 
-DTYPE_NAMES = ("auto", *DTYPES)
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+"""What `model.dtype` / `model.master_dtype` accept (`mmrl.models.precision.DTYPES` maps the names
+to torch dtypes)."""
 
 
 @dataclass
@@ -134,6 +136,11 @@ class DataConfig:
     built-in pool) to every math-ability prompt (V-Triune's randomised prompt pool)."""
     cot_prompt_pool: list[str] = field(default_factory=list)
     """Instructions to draw from; empty: `mmrl.train.data.DEFAULT_COT_PROMPTS`."""
+    source_aliases: dict[str, str] = field(default_factory=dict)
+    """Short names of data sources, as metric names and the logs show them
+    (`{hiyouga/geometry3k: geo3k}`). A source of rows read from the hub that is not listed and
+    whose name has a `/` is shortened to its last part (`hiyouga/geometry3k` -> `geometry3k`)
+    unless two sources would then share it; other sources keep their names."""
     max_prompt_chars: int = 200_000
     """A sample file's record whose prompt text is longer than this many characters is refused
     when the file is loaded (naming file, line and id), not deep inside the tokenizer later."""
@@ -548,6 +555,10 @@ class TrainerConfig:
     """Weights & Biases settings (with `wandb` in `loggers`)."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     """MLflow settings (with `mlflow` in `loggers`)."""
+    log_generations: int = 8
+    """Rows of the sample-generations table (prompt, image thumbnail, response, reward and each
+    component) the trackers get at every held-out evaluation: the first N held-out samples, the
+    same ones each time; also written to `<run_dir>/generations.jsonl`. 0: none."""
     eval_suite: str | None = None
     """A MEGA-Bench-style suite evaluated during training (a path, or `builtin` for the built-in
     mini-suite); None: off."""
@@ -648,6 +659,7 @@ class Config:
                 "trainer.eval_suite_max_queries must be >= 1 (or null: all)",
             ),
             (t.threads >= 0, f"trainer.threads must be >= 0, got {t.threads}"),
+            (t.log_generations >= 0, f"trainer.log_generations must be >= 0, got {t.log_generations}"),
             *logger_checks(t),
             (r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}"),
             (r.max_batch_rows >= 1, f"rollout.max_batch_rows must be >= 1, got {r.max_batch_rows}"),
@@ -714,8 +726,8 @@ class Config:
             ),
             (self.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
             (
-                self.model.tiny.architecture in tiny_architectures(),
-                f"model.tiny.architecture must be one of {', '.join(tiny_architectures())}",
+                self.model.tiny.architecture in TINY_ARCHITECTURES,
+                f"model.tiny.architecture must be one of {', '.join(TINY_ARCHITECTURES)}",
             ),
             (self.model.dtype in DTYPE_NAMES, f"model.dtype must be one of {', '.join(DTYPE_NAMES)}"),
             (
@@ -1053,6 +1065,16 @@ class Config:
 def task_names() -> list[str]:
     """Tasks with a recipe in `configs/`."""
     return sorted(p.name[:-5] for p in resources.files("mmrl.configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_kind(task: str) -> str | None:
+    """The top-level `kind` of `configs/<task>.yaml` (`diffusion`, `decoupled`; None: a VLM
+    recipe, or no such recipe). Read without loading the trainers, so the CLI can pick one."""
+    recipe = resources.files("mmrl.configs") / f"{task}.yaml"
+    if not recipe.is_file():
+        return None
+    conf = OmegaConf.create(recipe.read_text())
+    return conf.get("kind") if isinstance(conf, type(OmegaConf.create({}))) else None
 
 
 def load_config(

@@ -15,10 +15,12 @@ import dataclasses
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from PIL import Image
+
+if TYPE_CHECKING:  # annotations only: `import mmrl.types` stays free of torch (config errors are instant)
+    import torch
 
 IMAGE_PLACEHOLDER = "<image>"
 

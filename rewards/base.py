@@ -191,7 +191,9 @@ def register_reward_model(name: str) -> Callable[[R], R]:
 
 
 def _load_builtins() -> None:
-    import mmrl.rewards  # noqa: F401 - importing the package registers the built-in models
+    from mmrl.rewards import load_builtins
+
+    load_builtins()
 
 
 def get_reward_model(name: str, **kwargs: Any) -> RewardModel:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch and the models load only when they are built: `mmrl.config` holds these
+    import torch
 
-from mmrl.rewards.base import RewardModel, get_reward_model
+    from mmrl.rewards.base import RewardModel
 
 
 @dataclass
@@ -179,6 +180,8 @@ class ModelRewardsConfig:
 
 def accelerator_device(placement: PlacementConfig, policy_device: str | torch.device) -> torch.device:
     """The reward models' accelerator: `placement.accelerator`, where `auto` is the policy's."""
+    import torch
+
     return torch.device(policy_device if placement.accelerator == "auto" else placement.accelerator)
 
 
@@ -199,6 +202,8 @@ def check_kwargs(model_type: str, kwargs: dict[str, Any], where: str = "kwargs")
     if out.get("image_rubric") == "":
         out.pop("image_rubric")
     if isinstance(out.get("dtype"), str):
+        import torch
+
         dtype = getattr(torch, out["dtype"], None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{where}.dtype: unknown dtype {out['dtype']!r}")
@@ -211,6 +216,8 @@ def build_reward_models(
 ) -> dict[str, RewardModel]:
     """Build every configured reward model, by name, on its device (`placement.accelerator`;
     `auto`: `policy_device`)."""
+    from mmrl.rewards.base import get_reward_model
+
     models: dict[str, RewardModel] = {}
     for i, model_cfg in enumerate(cfg.models):
         where = f"reward.models[{i}]"

@@ -289,3 +289,37 @@ def test_runner_module_exposes_the_cli_hooks():
     args = _parse(["--model", "m", "--max-queries", "3", "--tasks", "a", "b", "--pass-k", "4"])
     cfg = runner_module.config_from_args(args)
     assert cfg.max_queries == 3 and cfg.tasks == ("a", "b") and cfg.pass_k == 4 and cfg.output_dir == "eval-m"
+
+
+def test_mmrl_eval_names_metrics_skipped_for_a_missing_package_on_the_console(tmp_path, monkeypatch, capsys):
+    """The install hint of a metric whose package is missing used to be only in results.json."""
+    import mmrl.eval.runner as runner
+    from mmrl.cli import build_parser
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "suite").mkdir()
+    error = "needs the rapidfuzz package (pip install 'mmrl[megabench]')"
+    result = runner.EvalResult(
+        summary={"overall": 0.5, "core": 0.5, "open": None, "num_tasks": {"core": 1, "open": 0}, "num_queries": 3,
+                 "skipped": {"unavailable_metric": 2}},
+        tasks=[],
+        breakdown={},
+        skipped_queries=[{"task": "t", "query_idx": i, "reason": "unavailable_metric", "error": error} for i in (0, 1)],
+    )  # fmt: skip
+    monkeypatch.setattr(runner, "load_suite", lambda *a, **k: None)
+    monkeypatch.setattr(runner, "run_suite", lambda *a, **k: result)
+    args = build_parser("eval").parse_args(
+        [
+            "eval",
+            "--model",
+            str(tmp_path / "model"),
+            "--suite",
+            str(tmp_path / "suite"),
+            "--output",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert runner.run_eval_command(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"2 queries skipped: {error}"

@@ -384,6 +384,12 @@ def run_suite(
         cache.put(rec)
 
     generated = 0
+    log.info(
+        "eval: %d queries to generate, %d to score again from %s",
+        len(to_generate),
+        len(to_score),
+        RECORDS_FILE,
+    )
     engine = as_engine(model, cfg.batch_size) if to_generate else None
     params = SamplingParams(n=1, greedy=True, max_new_tokens=cfg.max_new_tokens)
     total = len(to_generate) + len(to_score)
@@ -640,7 +646,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--suite", metavar="PATH", help="suite folder or file (default: the built-in mini-suite)"
     )
-    parser.add_argument("--model", metavar="PATH", help="local Hugging Face VLM folder to evaluate")
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="the VLM to evaluate: a local Hugging Face folder or a hub id (org/name)",
+    )
     parser.add_argument("--output", metavar="DIR", help="output folder (default: eval-<model name>)")
     parser.add_argument("--max-queries", type=int, metavar="N", help="at most N queries per task")
     parser.add_argument("--tasks", nargs="+", metavar="NAME", default=[], help="only these tasks")
@@ -735,6 +745,11 @@ def run_eval_command(args: argparse.Namespace) -> int:
         if not args.model:
             print("mmrl eval: error: --model is required (or --curves RUN_DIR ...)", file=sys.stderr)
             return 2
+        from mmrl.check import check_eval
+
+        # The model (a folder, or a hub id asked about once), the suite, the judge: before loading
+        # the model, every problem on its own line.
+        report = check_eval(args.model, args.suite, args.judge_model, args.media_root, args.base)
         cfg = config_from_args(args)
         suite_path = cfg.suite
         if suite_path is None:
@@ -743,7 +758,14 @@ def run_eval_command(args: argparse.Namespace) -> int:
             suite_path = str(
                 builtin_suite_path(cfg.builtin_queries_per_task, cfg.builtin_seed, cfg.builtin_image_size)
             )
-        suite = load_suite(suite_path, cfg.media_root)
+        suite = None
+        if Path(suite_path).exists():
+            try:
+                suite = load_suite(suite_path, cfg.media_root)
+            except SuiteError as exc:
+                report.add("--suite", str(exc))
+        if report.problems:
+            return report.print("eval")
         result = run_suite(args.model, suite, cfg)
         s = result.summary
         print(
@@ -751,15 +773,22 @@ def run_eval_command(args: argparse.Namespace) -> int:
             f"Open {_fmt(s['open'])} ({s['num_tasks']['open']} tasks)  {s['num_queries']} queries scored, "
             f"{result.generated} generated this run, {sum(s['skipped'].values())} skipped; results in {cfg.output_dir}"
         )
+        # A metric whose package is missing skips its queries: say so here, with the install line.
+        missing: dict[str, int] = {}
+        for skip in result.skipped_queries:
+            if skip["reason"] == "unavailable_metric":
+                missing[skip["error"]] = missing.get(skip["error"], 0) + 1
+        for error, n in sorted(missing.items()):
+            print(f"{n} queries skipped: {error}")
         if cfg.pass_k > 0:
             from mmrl.eval.curves import pass_at_k_report
 
-            report = pass_at_k_report(
+            pass_k = pass_at_k_report(
                 args.model, suite, cfg, base=cfg.base_model, out_dir=Path(cfg.output_dir)
             )
-            for label, curve in report["curves"].items():
+            for label, curve in pass_k["curves"].items():
                 print(
-                    f"pass@k {label}: " + "  ".join(f"@{k}={100 * v:.1f}" for k, v in zip(report["k"], curve))
+                    f"pass@k {label}: " + "  ".join(f"@{k}={100 * v:.1f}" for k, v in zip(pass_k["k"], curve))
                 )
         return 0
     except (SuiteError, ValueError, FileNotFoundError, KeyError) as exc:

@@ -22,7 +22,7 @@ from transformers import PreTrainedConfig, PreTrainedTokenizerFast, ProcessorMix
 from mmrl.models.tokenizer import build_byte_tokenizer, chat_template
 
 if TYPE_CHECKING:
-    from mmrl.models.tiny import TinyVLMSpec
+    from mmrl.models.tiny_spec import TinyVLMSpec
 
 # What each family adds to the byte tokenizer: tokens, named tokenizer attributes (read by its
 # processor), and the placeholder its chat template writes for an image.

@@ -11,13 +11,12 @@ recipe when its top level says `kind: diffusion` (`is_diffusion_task`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from mmrl.config import MlflowConfig, WandbConfig, load_structured, logger_checks, number_checks
+from mmrl.config import MlflowConfig, WandbConfig, load_structured, logger_checks, number_checks, recipe_kind
 from mmrl.models.image_base import ImageWarmupConfig
 from mmrl.models.tiny_diffusion import TinyDiffusionSpec
 from mmrl.train.schedule import SCHEDULES
@@ -384,15 +383,6 @@ def is_diffusion_task(task: str) -> bool:
     """True when `configs/<task>.yaml` says `kind: diffusion` (or `decoupled`: an autoregressive
     planner in front of the pipeline, `mmrl.train.decoupled`) at its top level."""
     return recipe_kind(task) in ("diffusion", "decoupled")
-
-
-def recipe_kind(task: str) -> str | None:
-    """The top-level `kind` of `configs/<task>.yaml` (None: no such recipe, or no kind)."""
-    recipe = resources.files("mmrl.configs") / f"{task}.yaml"
-    if not recipe.is_file():
-        return None
-    conf = OmegaConf.create(recipe.read_text())
-    return conf.get("kind") if isinstance(conf, type(OmegaConf.create({}))) else None
 
 
 def flow_config_dict(cfg: FlowConfig) -> dict[str, Any]:

@@ -68,9 +68,9 @@ from mmrl.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from mmrl.train.data import PromptSampler, cot_pool, load_data
+from mmrl.train.data import PromptSampler, cot_pool, load_data_report
 from mmrl.train.dumps import write_step_dump
-from mmrl.train.evaluation import evaluate
+from mmrl.train.evaluation import EvaluationInterrupted, run_evaluation
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
@@ -194,7 +194,7 @@ def train(cfg: Config) -> TrainResult:
     seed_everything(cfg.trainer.seed)
 
     # 2. Data: every record is validated here, before anything is written or trained.
-    train_samples, heldout = load_data(cfg)
+    train_samples, heldout, data_report = load_data_report(cfg)
     if cfg.trainer.eval_size:
         heldout = heldout[: cfg.trainer.eval_size]
     check_model_reward_names(cfg, train_samples + heldout)
@@ -223,11 +223,17 @@ def train(cfg: Config) -> TrainResult:
         t.close()
         raise
     total = cfg.trainer.total_steps
+    stop = StopRequest()
 
     def run_eval(step: int) -> float:
-        metrics = evaluate(
-            t.engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total)
-        )
+        # A stop asked during an evaluation ends it between two responses (EvaluationInterrupted).
+        log.info("step %d: held-out evaluation of %d samples", step, len(heldout))
+        evaluation = run_evaluation(
+            t.engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total),
+            progress=cfg.trainer.progress, should_stop=lambda: stop.requested,
+            generations=cfg.trainer.log_generations,
+        )  # fmt: skip
+        metrics = evaluation.metrics
         tr = cfg.trainer
         if tr.eval_suite and (step % tr.eval_suite_every == 0 or step == total):
             from mmrl.eval.runner import evaluate_suite
@@ -235,12 +241,13 @@ def train(cfg: Config) -> TrainResult:
             suite = None if tr.eval_suite == "builtin" else tr.eval_suite
             metrics.update(evaluate_suite(t.engine, suite, max_queries=tr.eval_suite_max_queries))
         metrics_log.log(step, metrics)
+        metrics_log.log_generations(step, evaluation.generations)
         log.info("step %d: greedy held-out accuracy %.3f", step, metrics["eval/accuracy"])
         return metrics["eval/accuracy"]
 
     # 4. The loop: one step per rollout batch, greedy evaluation every `eval_every` steps,
-    #    a checkpoint every `checkpoint_every` steps and when SIGINT / SIGTERM asks to stop.
-    stop = StopRequest()
+    #    a checkpoint every `checkpoint_every` steps and when SIGINT / SIGTERM asks to stop
+    #    (before the first step, a stop ends the run like Ctrl-C: nothing to resume yet).
     with metrics_log:  # every sink closed on the way out; the trackers told "failed" on an error
         try:
             with stop.installed():
@@ -257,8 +264,9 @@ def train(cfg: Config) -> TrainResult:
                     guard_skips(cfg, progress, metrics, step, run_dir)
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{progress.final_acc:.3f}")
                     if step % cfg.trainer.eval_every == 0 or step == total:
-                        progress.final_acc = run_eval(step)
-                        progress.best_acc = max(progress.best_acc, progress.final_acc)
+                        with contextlib.suppress(EvaluationInterrupted):  # stop.requested: checkpoint below
+                            progress.final_acc = run_eval(step)
+                            progress.best_acc = max(progress.best_acc, progress.final_acc)
                     every = cfg.trainer.checkpoint_every
                     if (every and step % every == 0) or step == total or stop.requested:
                         write_checkpoint(cfg, t, sampler, progress, run_dir)
@@ -292,6 +300,7 @@ def train(cfg: Config) -> TrainResult:
     )
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
     summary["model_path"] = str(model_path)
+    summary["data"] = data_report
     with storage_errors("write the summary to", run_dir / "summary.json"):
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return result

@@ -91,14 +91,36 @@ def step_metrics(
     return metrics
 
 
+def component_means(rows: list[int], batch: RolloutBatch, rewards: RewardBatch) -> dict[str, float]:
+    """`{component: mean}` over the rows that can have it: every row scored without error by a
+    verifier that reported the component in one of `rows`, counting 0 where it left it out (the
+    math verifier reports `malformed` only when an answer is malformed: averaging over the rows
+    that report it read 1.0 whatever the share). Model rewards (`model/<name>`) average over the
+    rows whose samples asked for them, the rows that have them."""
+    verifier = [batch.samples[i].reward_model.verifier for i in range(len(batch.samples))]
+    scored = [i for i in rows if rewards.results[i].error is None]
+    reporters: dict[str, set[str]] = defaultdict(set)
+    for i in scored:
+        for name in rewards.results[i].components:
+            reporters[name].add(verifier[i])
+    means = {}
+    for name, verifiers in reporters.items():
+        if name.startswith("model/"):
+            values = [
+                rewards.results[i].components[name] for i in rows if name in rewards.results[i].components
+            ]
+        else:
+            values = [
+                rewards.results[i].components.get(name, 0.0) for i in scored if verifier[i] in verifiers
+            ]
+        means[name] = sum(float(v) for v in values) / len(values)
+    return means
+
+
 def _group_metrics(rows, batch, rewards, lengths, truncated, suffix: str) -> dict[str, float]:
     out: dict[str, float] = {f"reward/mean{suffix}": float(rewards.scores[rows].mean())}
-    components: dict[str, list[float]] = defaultdict(list)
-    for i in rows:
-        for name, value in rewards.results[i].components.items():
-            components[name].append(float(value))
-    for name, values in components.items():
-        out[f"reward/{name}{suffix}"] = sum(values) / len(values)
+    for name, mean in component_means(rows, batch, rewards).items():
+        out[f"reward/{name}{suffix}"] = mean
     accuracy = [rewards.results[i].components.get("accuracy", rewards.results[i].score) for i in rows]
     correct = [i for i, a in zip(rows, accuracy) if a >= CORRECT_THRESHOLD]
     wrong = [i for i, a in zip(rows, accuracy) if a < CORRECT_THRESHOLD]
