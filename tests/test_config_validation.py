@@ -119,7 +119,7 @@ def test_a_zero_divisor_is_a_config_error_not_a_zero_division(capsys, key):
 
 def test_a_folder_given_as_config_file_is_named(capsys, tmp_path):
     err = _cli_error(capsys, "--config", str(tmp_path))
-    assert err == f"mmrl train: error: {tmp_path}: is a folder, not a config file (give a .yaml file)"
+    assert err == f"mmrl train: config: {tmp_path}: is a folder, not a config file (give a .yaml file)"
 
 
 def test_an_unreadable_config_file_is_named(tmp_path):
@@ -193,7 +193,7 @@ def test_train_suggests_the_closest_key_as_serve_does(capsys, tmp_path):
     err = _cli_error(capsys, "trainer.totl_steps=3")
     assert (
         err
-        == "mmrl train: error: overrides: unknown key 'trainer.totl_steps' (did you mean 'trainer.total_steps'?)"
+        == "mmrl train: config: overrides: unknown key 'trainer.totl_steps' (did you mean 'trainer.total_steps'?)"
     )
     path = tmp_path / "cfg.yaml"
     path.write_text("algo:\n  kl_coeff: 0.1\n")
