@@ -178,7 +178,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         epilog=EVAL_EPILOG,
     )
     if command == "eval":
-        from mmrl.eval.runner import add_eval_arguments
+        from mmrl.eval.command import add_eval_arguments
 
         add_eval_arguments(p_eval)
     return parser
@@ -222,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_serve_command(args)
     if args.command == "eval":
-        from mmrl.eval.runner import run_eval_command
+        from mmrl.eval.command import run_eval_command
 
         return run_eval_command(args)
     return 2
