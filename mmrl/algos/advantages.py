@@ -27,13 +27,18 @@ whose rewards are all equal, gives advantage 0 to the rows it would have normali
 Every std is the unbiased sample std (Bessel), as in TRL and veRL, except `pass_at_k`'s, which
 is the Bernoulli std sqrt(p (1 - p)) its paper derives.
 
+All but `gdpo` are written over one batch's rewards grouped by prompt, r and v [B, G], and
+registered with `group_estimator`, which checks the inputs and groups the rows for all of them.
+
 Estimators that need more than the rewards say so in a set and take it as a keyword argument:
 `token_counts` ([N] response tokens, `TOKEN_WEIGHTED`), `baselines` ([N] the greedy response's
 reward, `NEEDS_BASELINE`), `k` (`pass_at_k`).
 
-The first three are *group-local*: a group's advantages depend on that group's rewards alone, so
-the trainer may update on the first mini-batch's groups while later groups are still being
-scored (`reward.update_while_scoring`). The batch-normalised ones need every reward first.
+Those in `GROUP_LOCAL` (`grpo`, `dr_grpo`, `rloo`, `remax`, `opo`, `pass_at_k`, `grpo_passk`) are
+*group-local*: a group's advantages depend on that group's rows alone, so the trainer may update
+on the first mini-batch's groups while later groups are still being scored
+(`reward.update_while_scoring`; tests/test_algos_registry.py checks the property for each). The
+batch-normalised ones need every reward first.
 """
 
 from __future__ import annotations
@@ -123,11 +128,8 @@ def group_estimator(name: str, group_local: bool = False) -> Callable[[GroupFn],
             r, v = _prepare(rewards, group_size, valid)
             return fn(r.view(-1, group_size), v.view(-1, group_size), eps, **options).reshape(-1)
 
-        estimator.__name__, estimator.__qualname__, estimator.__doc__ = (
-            fn.__name__,
-            fn.__qualname__,
-            fn.__doc__,
-        )
+        estimator.__name__, estimator.__qualname__ = fn.__name__, fn.__qualname__
+        estimator.__doc__ = fn.__doc__
         return register_advantage(name, group_local)(estimator)
 
     return wrap
