@@ -1,25 +1,32 @@
 """Model-based rewards (installed as `mmrl.rewards`).
 
 A reward model scores a batch of images / prompts / responses: `model.score(images=...)` ->
-`list[float]`; models are registered by name (`get_reward_model(name, **kwargs)`). The built-in
-models register themselves when the registry is first asked (`get_reward_model`,
-`reward_model_names`); heavy dependencies (open_clip, rapidocr) are imported only when a model
-that needs them is built.
+`list[float]`; models are registered by name (`get_reward_model(name, **kwargs)`). Looking a
+model up registers the built-in ones first (`mmrl.rewards.catalog`); heavy dependencies
+(open_clip, rapidocr) are imported only when a model that needs them is built.
 
-Importing this package imports nothing heavy: `mmrl.rewards.config` (the config dataclasses the
-run config holds) loads without torch, so `import mmrl.config` stays light. The names below are
-loaded from `mmrl.rewards.base` on first use.
+Importing this package imports no torch: `mmrl.config` imports `mmrl.rewards.config`, and a
+config error or `--help` must stay instant. The names below load their modules on first use.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-BUILTIN_MODULES = ("aesthetic", "clip_score", "geneval", "jpeg", "ocr", "perceptual", "vlm_judge")
-"""Modules whose import registers the built-in reward models."""
+if TYPE_CHECKING:
+    from mmrl.rewards.base import (
+        RewardInputs,
+        RewardModel,
+        RewardModelError,
+        RewardOutput,
+        WeightsFileError,
+        as_pil_images,
+        register_reward_model,
+    )
+    from mmrl.rewards.catalog import get_reward_model, reward_model_names
 
 __all__ = [
+    "RewardInputs",
     "RewardModel",
     "RewardModelError",
     "RewardOutput",
@@ -30,17 +37,20 @@ __all__ = [
     "reward_model_names",
 ]
 
-
-def load_builtins() -> None:
-    """Import the built-in reward models (each registers itself; idempotent)."""
-    for name in BUILTIN_MODULES:
-        importlib.import_module(f"mmrl.rewards.{name}")
+_LOOKUPS = ("get_reward_model", "reward_model_names")
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from mmrl.rewards import base
+    if name in _LOOKUPS:
+        from mmrl.rewards import catalog as module
+    elif name in __all__:
+        from mmrl.rewards import base as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value  # later look-ups are plain attribute reads
+    return value
 
-        load_builtins()
-        return getattr(base, name)
-    raise AttributeError(f"module 'mmrl.rewards' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

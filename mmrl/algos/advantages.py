@@ -27,13 +27,18 @@ whose rewards are all equal, gives advantage 0 to the rows it would have normali
 Every std is the unbiased sample std (Bessel), as in TRL and veRL, except `pass_at_k`'s, which
 is the Bernoulli std sqrt(p (1 - p)) its paper derives.
 
+All but `gdpo` are written over one batch's rewards grouped by prompt, r and v [B, G], and
+registered with `group_estimator`, which checks the inputs and groups the rows for all of them.
+
 Estimators that need more than the rewards say so in a set and take it as a keyword argument:
 `token_counts` ([N] response tokens, `TOKEN_WEIGHTED`), `baselines` ([N] the greedy response's
 reward, `NEEDS_BASELINE`), `k` (`pass_at_k`).
 
-The first three are *group-local*: a group's advantages depend on that group's rewards alone, so
-the trainer may update on the first mini-batch's groups while later groups are still being
-scored (`reward.update_while_scoring`). The batch-normalised ones need every reward first.
+Those in `GROUP_LOCAL` (`grpo`, `dr_grpo`, `rloo`, `remax`, `opo`, `pass_at_k`, `grpo_passk`) are
+*group-local*: a group's advantages depend on that group's rows alone, so the trainer may update
+on the first mini-batch's groups while later groups are still being scored
+(`reward.update_while_scoring`; tests/test_algos_registry.py checks the property for each). The
+batch-normalised ones need every reward first.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 AdvantageFn = Callable[..., torch.Tensor]
+GroupFn = Callable[..., torch.Tensor]
+"""`fn(r [B, G], v [B, G], eps, **options) -> [B, G]`: an estimator over grouped rewards."""
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 GROUP_LOCAL: set[str] = set()
 """Estimators whose advantages for a group read only that group's rewards."""
@@ -99,6 +106,35 @@ def _prepare(
     return r, v
 
 
+def group_estimator(name: str, group_local: bool = False) -> Callable[[GroupFn], AdvantageFn]:
+    """Decorator: register `fn(r, v, eps, **options) -> [B, G]` as the estimator `name`, called
+    with the common signature `(rewards, group_size, *, eps=1e-6, valid=None, **options) -> [N]`.
+
+    The registered estimator checks `rewards` [N], `group_size` and `valid` once for all
+    (`_prepare`), and gives `fn` them grouped, prompt by prompt: r [B, G] float32 rewards (0 on
+    invalid rows) and v [B, G] bool, B = N / G; options (`token_counts`, ...) pass through.
+    `fn`'s docstring, which becomes the estimator's, is written for that common call.
+    """
+
+    def wrap(fn: GroupFn) -> AdvantageFn:
+        def estimator(
+            rewards: torch.Tensor,
+            group_size: int,
+            *,
+            eps: float = 1e-6,
+            valid: torch.Tensor | None = None,
+            **options,
+        ) -> torch.Tensor:
+            r, v = _prepare(rewards, group_size, valid)
+            return fn(r.view(-1, group_size), v.view(-1, group_size), eps, **options).reshape(-1)
+
+        estimator.__name__, estimator.__qualname__ = fn.__name__, fn.__qualname__
+        estimator.__doc__ = fn.__doc__
+        return register_advantage(name, group_local)(estimator)
+
+    return wrap
+
+
 def _standardise(
     x: torch.Tensor, mask: torch.Tensor, eps: float, *, centre: bool = True, scale: bool = True
 ) -> torch.Tensor:
@@ -109,24 +145,31 @@ def _standardise(
     """
     if x.numel() == 0:
         return torch.zeros_like(x)
-    n = mask.sum(dim=-1, keepdim=True).to(x.dtype)
-    xm = torch.where(mask, x, torch.zeros_like(x))
-    mean = xm.sum(dim=-1, keepdim=True) / n.clamp(min=1)
-    out = torch.where(mask, x - mean, torch.zeros_like(x)) if centre else xm
+    _, mean, std = _masked_mean_std(x, mask)
+    out = torch.where(mask, x - mean if centre else x, torch.zeros_like(x))
     if scale:
-        var = torch.where(mask, x - mean, torch.zeros_like(x)).square().sum(dim=-1, keepdim=True)
-        std = (var / (n - 1).clamp(min=1)).sqrt()
         out = out / (std + eps)
-    hi = torch.where(mask, x, torch.full_like(x, -torch.inf)).amax(dim=-1, keepdim=True)
-    lo = torch.where(mask, x, torch.full_like(x, torch.inf)).amin(dim=-1, keepdim=True)
-    degenerate = (n < 2) | (hi == lo)
-    return torch.where(mask & ~degenerate, out, torch.zeros_like(out))
+    return torch.where(mask & _spread(x, mask), out, torch.zeros_like(out))
 
 
-@register_advantage("grpo", group_local=True)
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, valid: torch.Tensor | None = None
-) -> torch.Tensor:
+def _masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(count, mean, unbiased std) of x along the last dim over `mask`ed entries, each [..., 1]
+    (mean 0 without entries; the std divides by max(count - 1, 1))."""
+    n = mask.sum(dim=-1, keepdim=True).to(x.dtype)
+    mean = torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1, keepdim=True) / n.clamp(min=1)
+    var = torch.where(mask, x - mean, torch.zeros_like(x)).square().sum(dim=-1, keepdim=True)
+    return n, mean, (var / (n - 1).clamp(min=1)).sqrt()
+
+
+def _spread(grouped: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[..., 1] True where a slice has at least two masked entries and they are not all equal."""
+    hi = torch.where(mask, grouped, torch.full_like(grouped, -torch.inf)).amax(dim=-1, keepdim=True)
+    lo = torch.where(mask, grouped, torch.full_like(grouped, torch.inf)).amin(dim=-1, keepdim=True)
+    return (mask.sum(dim=-1, keepdim=True) >= 2) & (hi > lo)
+
+
+@group_estimator("grpo", group_local=True)
+def group_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean(group)) / (std(group) + eps).
 
     Args:
@@ -141,14 +184,11 @@ def group_advantages(
         fewer than two valid responses has no baseline and gets advantage 0, and so does a group
         whose valid rewards are all equal.
     """
-    r, v = _prepare(rewards, group_size, valid)
-    return _standardise(r.view(-1, group_size), v.view(-1, group_size), eps).view(-1)
+    return _standardise(r, v, eps)
 
 
-@register_advantage("dr_grpo", group_local=True)
-def dr_grpo_advantages(
-    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
-) -> torch.Tensor:
+@group_estimator("dr_grpo", group_local=True)
+def dr_grpo_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = r_i - mean(group).
 
     Dropping GRPO's division by the group std removes its question-difficulty bias (groups that
@@ -162,14 +202,11 @@ def dr_grpo_advantages(
         [B x G]; 0 for invalid rows and for groups with fewer than two valid rows.
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
-    return _standardise(r.view(-1, group_size), v.view(-1, group_size), 0.0, scale=False).view(-1)
+    return _standardise(r, v, 0.0, scale=False)
 
 
-@register_advantage("rloo", group_local=True)
-def rloo_advantages(
-    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
-) -> torch.Tensor:
+@group_estimator("rloo", group_local=True)
+def rloo_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j.
 
     The leave-one-out baseline over the n valid rows of the group equals
@@ -182,11 +219,9 @@ def rloo_advantages(
         [B x G]; 0 for invalid rows and for groups with fewer than two valid rows (no baseline).
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
-    grouped, mask = r.view(-1, group_size), v.view(-1, group_size)
-    n = mask.sum(dim=1, keepdim=True).float()
-    centred = _standardise(grouped, mask, 0.0, scale=False)
-    return (centred * n / (n - 1).clamp(min=1)).view(-1)
+    n = v.sum(dim=1, keepdim=True).float()
+    centred = _standardise(r, v, 0.0, scale=False)
+    return centred * n / (n - 1).clamp(min=1)
 
 
 def _token_whiten(x: torch.Tensor, valid: torch.Tensor, token_counts: torch.Tensor | None) -> torch.Tensor:
@@ -228,14 +263,9 @@ def _token_whiten(x: torch.Tensor, valid: torch.Tensor, token_counts: torch.Tens
     return torch.where(used & spread, adv, torch.zeros_like(adv))
 
 
-@register_advantage("reinforce_pp")
+@group_estimator("reinforce_pp")
 def reinforce_pp_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-    token_counts: torch.Tensor | None = None,
+    r: torch.Tensor, v: torch.Tensor, eps: float, token_counts: torch.Tensor | None = None
 ) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, arXiv 2501.03262), veRL's `compute_reinforce_plus_plus_outcome_advantage`:
     global whitening of the returns over every response token of the batch, no per-prompt
@@ -263,18 +293,12 @@ def reinforce_pp_advantages(
         [N] float32; all 0 if fewer than two tokens are valid or all valid rewards are equal.
     """
     del eps  # see the docstring: the variance gets 1e-8, as in veRL
-    r, v = _prepare(rewards, group_size, valid)
-    return _token_whiten(r, v, token_counts)
+    return _token_whiten(r.view(-1), v.view(-1), token_counts)
 
 
-@register_advantage("reinforce_pp_baseline")
+@group_estimator("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-    token_counts: torch.Tensor | None = None,
+    r: torch.Tensor, v: torch.Tensor, eps: float, token_counts: torch.Tensor | None = None
 ) -> torch.Tensor:
     """REINFORCE++-baseline (Hu 2025), veRL's `compute_reinforce_plus_plus_baseline_outcome_advantage`.
 
@@ -302,14 +326,12 @@ def reinforce_pp_baseline_advantages(
         centred rewards have no spread; 0 on rows with no token.
     """
     del eps  # see the docstring: the variance gets 1e-8, as in veRL
-    r, v = _prepare(rewards, group_size, valid)
-    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
-    n = vg.sum(dim=1, keepdim=True)
+    n = v.sum(dim=1, keepdim=True)
     group_mean = torch.where(
-        n > 1, (rg * vg).sum(dim=1, keepdim=True) / n.clamp(min=1), torch.zeros_like(rg[:, :1])
+        n > 1, (r * v).sum(dim=1, keepdim=True) / n.clamp(min=1), torch.zeros_like(r[:, :1])
     )
-    x = torch.where(vg, rg - group_mean, torch.zeros_like(rg)).view(-1)
-    return _token_whiten(x, v, token_counts)
+    x = torch.where(v, r - group_mean, torch.zeros_like(r)).view(-1)
+    return _token_whiten(x, v.view(-1), token_counts)
 
 
 GDPO_BATCH_NORMS = ("mean_std", "std", "none")
@@ -389,14 +411,9 @@ def _group_baseline_check(name: str, extra: torch.Tensor | None, n: int, what: s
     return extra
 
 
-@register_advantage("remax", group_local=True)
+@group_estimator("remax", group_local=True)
 def remax_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-    baselines: torch.Tensor | None = None,
+    r: torch.Tensor, v: torch.Tensor, eps: float, baselines: torch.Tensor | None = None
 ) -> torch.Tensor:
     """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
     Method for Aligning Large Language Models", arXiv 2310.10505): A_i = r_i - b_i, where b_i is
@@ -416,20 +433,14 @@ def remax_advantages(
         [N]; 0 for invalid rows and rows without a baseline.
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
-    b = _group_baseline_check("remax", baselines, r.shape[0], "baselines").to(r.device).float()
+    b = _group_baseline_check("remax", baselines, r.numel(), "baselines").to(r.device).float().view_as(r)
     has = v & torch.isfinite(b)
     return torch.where(has, r - torch.where(has, b, torch.zeros_like(b)), torch.zeros_like(r))
 
 
-@register_advantage("opo", group_local=True)
+@group_estimator("opo", group_local=True)
 def opo_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-    token_counts: torch.Tensor | None = None,
+    r: torch.Tensor, v: torch.Tensor, eps: float, token_counts: torch.Tensor | None = None
 ) -> torch.Tensor:
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585): the
     length-weighted group baseline that minimises the gradient variance under exact on-policy
@@ -450,34 +461,19 @@ def opo_advantages(
         groups whose valid rewards are all equal or whose tokens sum to 0.
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
     if token_counts is None:
         w = torch.ones_like(r)
     else:
-        w = _group_baseline_check("opo", token_counts, r.shape[0], "token_counts").to(r.device).float()
-    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
-    wg = torch.where(vg, w.view(-1, group_size), torch.zeros_like(rg))
-    total = wg.sum(dim=1, keepdim=True)
-    baseline = (wg * rg).sum(dim=1, keepdim=True) / total.clamp(min=1e-12)
-    ok = vg & _spread(rg, vg) & (total > 0)
-    return torch.where(ok, rg - baseline, torch.zeros_like(rg)).view(-1)
+        w = _group_baseline_check("opo", token_counts, r.numel(), "token_counts").to(r.device).float()
+    w = torch.where(v, w.view_as(r), torch.zeros_like(r))
+    total = w.sum(dim=1, keepdim=True)
+    baseline = (w * r).sum(dim=1, keepdim=True) / total.clamp(min=1e-12)
+    ok = v & _spread(r, v) & (total > 0)
+    return torch.where(ok, r - baseline, torch.zeros_like(r))
 
 
-def _spread(grouped: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1] True where a group has at least two valid rows and they are not all equal."""
-    hi = torch.where(mask, grouped, torch.full_like(grouped, -torch.inf)).amax(dim=-1, keepdim=True)
-    lo = torch.where(mask, grouped, torch.full_like(grouped, torch.inf)).amin(dim=-1, keepdim=True)
-    return (mask.sum(dim=-1, keepdim=True) >= 2) & (hi > lo)
-
-
-@register_advantage("gpg")
-def gpg_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-) -> torch.Tensor:
+@group_estimator("gpg")
+def gpg_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
     Reasoning", arXiv 2504.02546): group-mean advantages (F_norm = 1, no std division) scaled by
     the paper's accurate-gradient-estimation factor,
@@ -500,15 +496,13 @@ def gpg_advantages(
         [B x G]; all 0 when no group has a spread. Not group-local (alpha reads the batch).
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
-    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
-    spread = _spread(rg, vg)  # [B, 1]
-    n_valid = vg.sum()
-    n_signal = (vg & spread).sum()
+    spread = _spread(r, v)  # [B, 1]
+    n_valid = v.sum()
+    n_signal = (v & spread).sum()
     if n_signal == 0:
         return torch.zeros_like(r)
     alpha = n_valid.float() / n_signal.float()
-    return (alpha * _standardise(rg, vg, 0.0, scale=False)).view(-1)
+    return alpha * _standardise(r, v, 0.0, scale=False)
 
 
 def _comb_ratio(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
@@ -519,15 +513,8 @@ def _comb_ratio(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-@register_advantage("pass_at_k", group_local=True)
-def pass_at_k_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-    k: int = 4,
-) -> torch.Tensor:
+@group_estimator("pass_at_k", group_local=True)
+def pass_at_k_advantages(r: torch.Tensor, v: torch.Tensor, eps: float, k: int = 4) -> torch.Tensor:
     """Pass@k advantages in closed form (Chen et al. 2025, "Pass@k Training for Adaptively
     Balancing Exploration and Exploitation of Large Reasoning Models", arXiv 2508.10751, the
     "analytical derivation"): the exact expectation over every k-subset of the group of the
@@ -553,35 +540,28 @@ def pass_at_k_advantages(
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"pass_at_k: k must be a positive integer, got {k!r}")
-    r, v = _prepare(rewards, group_size, valid)
-    bad = (v & (r != 0) & (r != 1)).nonzero().flatten()
+    bad = (v & (r != 0) & (r != 1)).view(-1).nonzero().flatten()
     if bad.numel():
         raise ValueError(
             f"pass_at_k needs binary rewards (0 or 1): rows {bad[:10].tolist()} have "
-            f"{r[bad[:10]].tolist()} (use an accuracy-only reward, format_ratio 0, no shaping)"
+            f"{r.view(-1)[bad[:10]].tolist()} (use an accuracy-only reward, format_ratio 0, no shaping)"
         )
-    rg, vg = r.view(-1, group_size).double(), v.view(-1, group_size)
-    n = vg.sum(dim=1, keepdim=True).double()
-    n_pos = torch.where(vg, rg, torch.zeros_like(rg)).sum(dim=1, keepdim=True)
+    r = r.double()
+    n = v.sum(dim=1, keepdim=True).double()
+    n_pos = torch.where(v, r, torch.zeros_like(r)).sum(dim=1, keepdim=True)
     n_neg = n - n_pos
     mean = 1.0 - _comb_ratio(n_neg, n, k)
     std = (mean * (1.0 - mean)).clamp(min=0).sqrt()
     miss = _comb_ratio(n_neg - 1, n - 1, k - 1)
     a_pos = (1.0 - mean) / (std + eps)
     a_neg = (1.0 - mean - miss) / (std + eps)
-    ok = vg & (n >= k) & (n_pos > 0) & (n_neg > 0) & (std > 0)  # std 0: every k-subset passes
-    adv = torch.where(rg > 0.5, a_pos, a_neg)
-    return torch.where(ok, adv, torch.zeros_like(adv)).float().view(-1)
+    ok = v & (n >= k) & (n_pos > 0) & (n_neg > 0) & (std > 0)  # std 0: every k-subset passes
+    adv = torch.where(r > 0.5, a_pos, a_neg)
+    return torch.where(ok, adv, torch.zeros_like(adv)).float()
 
 
-@register_advantage("grpo_passk", group_local=True)
-def grpo_passk_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-) -> torch.Tensor:
+@group_estimator("grpo_passk", group_local=True)
+def grpo_passk_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """veRL's `grpo_passk` (`compute_grpo_passk_outcome_advantage`, after Chen et al. 2025,
     arXiv 2503.19595): only the best response of each group is rewarded, by its margin over the
     runner-up, scaled by the group's std,
@@ -600,20 +580,15 @@ def grpo_passk_advantages(
         [B x G]; a group with fewer than two valid rows gets 0 (veRL raises), and so does a
         group whose two largest rewards are equal.
     """
-    if group_size < 2:
-        raise ValueError(f"grpo_passk needs at least 2 responses per prompt, got group_size {group_size!r}")
-    r, v = _prepare(rewards, group_size, valid)
-    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
-    n = vg.sum(dim=1, keepdim=True)
-    masked = torch.where(vg, rg, torch.full_like(rg, -torch.inf))
+    if r.shape[1] < 2:
+        raise ValueError(f"grpo_passk needs at least 2 responses per prompt, got group_size {r.shape[1]}")
+    masked = torch.where(v, r, torch.full_like(r, -torch.inf))
     best = masked.argmax(dim=1, keepdim=True)  # the first maximal row, as veRL's topk on CPU
     r_max = masked.gather(1, best)
     r_second = masked.scatter(1, best, -torch.inf).amax(dim=1, keepdim=True)
-    mean = (rg * vg).sum(dim=1, keepdim=True) / n.clamp(min=1)
-    var = torch.where(vg, rg - mean, torch.zeros_like(rg)).square().sum(dim=1, keepdim=True)
-    std = (var / (n - 1).clamp(min=1)).sqrt()
+    n, _, std = _masked_mean_std(r, v)
     margin = torch.where(n >= 2, (r_max - r_second) / (std + eps), torch.zeros_like(r_max))
-    return torch.zeros_like(rg).scatter(1, best, margin).view(-1)
+    return torch.zeros_like(r).scatter(1, best, margin)
 
 
 def clip_advantages(advantages: torch.Tensor, max_abs: float | None) -> torch.Tensor:

@@ -6,7 +6,7 @@ recomputed ones: logits with blocked tokens set to -inf, divided by the sampling
 
 from __future__ import annotations
 
-from contextlib import nullcontext as _nullcontext
+import contextlib
 
 import torch
 
@@ -198,6 +198,25 @@ def _hidden_grad_(grad_h: torch.Tensor, start: int, g: torch.Tensor, w: torch.Te
         grad_h[start + s.start : start + s.stop] = (g[s].to(w.dtype) @ w).to(grad_h.dtype)
 
 
+def _chunk_backward_(
+    g: torch.Tensor,
+    factor: torch.Tensor | None,
+    h: torch.Tensor,
+    start: int,
+    w: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    head: _HeadGrad,
+) -> None:
+    """Back from one chunk's d/d(capped logits) g [c, V] (float32, changed in place): through the
+    soft-cap (`factor`, its derivative, or None), then into the hidden states' gradient rows
+    `start:start + c` (unless `grad_h` is None) and the head's gradients (`head`)."""
+    if factor is not None:
+        g.mul_(factor)
+    if grad_h is not None:
+        _hidden_grad_(grad_h, start, g, w)
+    head.add(g, h)
+
+
 def _logprob_grad_(
     log_p: torch.Tensor, g_logp: torch.Tensor, g_ent: torch.Tensor | None, ent: torch.Tensor
 ) -> torch.Tensor:
@@ -268,19 +287,35 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             del log_p  # (g is its buffer)
             g.scatter_add_(-1, targets[start:end, None], g_logp[:, None])
             g.div_(temperature)  # blocked entries have p = 0, hence g = 0
-            if factor is not None:
-                g.mul_(factor)
-                del factor
-            if need_h:
-                _hidden_grad_(grad_h, start, g, w)
-            head.add(g, h)
-            del g
+            _chunk_backward_(g, factor, h, start, w, grad_h, head)
+            del g, factor  # (before the next chunk's buffers exist)
         grad_w, grad_b = head.results(weight, bias)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _head_setup(
+    weight: torch.Tensor, blocked: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.dtype, contextlib.AbstractContextManager]:
+    """What a chunked head pass needs besides its inputs: the [V] bool `blocked` ids on the
+    head's device (none blocked for None), the dtype its matmuls run in, and a context that
+    turns autocast off inside the pass.
+
+    Under autocast the model's own head would multiply in the autocast dtype: so does the pass,
+    with autocast itself off inside (the backward then recomputes exactly what the forward saw).
+    """
+    V = weight.shape[0]
+    if blocked is None:
+        blocked = torch.zeros(V, dtype=torch.bool, device=weight.device)
+    device_type = weight.device.type
+    compute_dtype = weight.dtype
+    if device_type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    off = torch.autocast(device_type, enabled=False) if device_type != "meta" else contextlib.nullcontext()
+    return blocked[:V].to(weight.device), compute_dtype, off
 
 
 def head_logprobs(
@@ -308,18 +343,9 @@ def head_logprobs(
         (log-probs [T], entropy [T]), float32, differentiable in `hidden`, `weight` and `bias`.
         Peak memory is a few [chunk, V] float32 tensors, forward and backward.
     """
-    V = weight.shape[0]
-    if blocked is None:
-        blocked = torch.zeros(V, dtype=torch.bool, device=weight.device)
-    blocked = blocked[:V].to(weight.device)
-    chunk = chunk or chunk_positions(V)
-    # Under autocast the model's own head would multiply in the autocast dtype: so do we, with
-    # autocast itself off inside (the backward then recomputes exactly what the forward saw).
-    device_type = weight.device.type
-    compute_dtype = weight.dtype
-    if device_type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    with torch.autocast(device_type, enabled=False) if device_type != "meta" else _nullcontext():
+    blocked, compute_dtype, autocast_off = _head_setup(weight, blocked)
+    chunk = chunk or chunk_positions(weight.shape[0])
+    with autocast_off:
         return _ChunkedHeadLogprobs.apply(
             hidden, weight, bias, targets, blocked, float(temperature), softcap, chunk, compute_dtype
         )
@@ -418,13 +444,8 @@ class _ChunkedHeadFullKL(torch.autograd.Function):
             g.neg_().add_(log_p).sub_(kl[start:end, None]).mul_(log_p.exp_()).nan_to_num_(nan=0.0)
             del log_p
             g.mul_(grad_kl[start:end, None]).div_(temperature)
-            if factor is not None:
-                g.mul_(factor)
-                del factor
-            if need_h:
-                _hidden_grad_(grad_h, start, g, w)
-            head.add(g, h)
-            del g
+            _chunk_backward_(g, factor, h, start, w, grad_h, head)
+            del g, factor  # (before the next chunk's buffers exist)
         grad_w, grad_b = head.results(weight, bias)
         return (grad_h, grad_w, grad_b, *([None] * 8))
 
@@ -471,15 +492,9 @@ def head_full_kl(
         raise ValueError(
             f"policy and reference heads have different vocabularies ({V} vs {ref_weight.shape[0]})"
         )
-    if blocked is None:
-        blocked = torch.zeros(V, dtype=torch.bool, device=weight.device)
-    blocked = blocked[:V].to(weight.device)
+    blocked, compute_dtype, autocast_off = _head_setup(weight, blocked)
     chunk = chunk or max(1, chunk_positions(V) // 2)
-    device_type = weight.device.type
-    compute_dtype = weight.dtype
-    if device_type in ("cuda", "cpu", "xpu", "mps") and torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    with torch.autocast(device_type, enabled=False) if device_type != "meta" else _nullcontext():
+    with autocast_off:
         return _ChunkedHeadFullKL.apply(
             hidden, weight, bias, ref_hidden.detach(), ref_weight.detach(),
             None if ref_bias is None else ref_bias.detach(), blocked, float(temperature), softcap, chunk,

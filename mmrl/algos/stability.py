@@ -21,16 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mmrl.algos.tis import check_logprob_pair
+
 REJECTION_LEVELS = ("geometric", "sequence", "max_token")
 FORKING_SCOPES = ("response", "batch")
-
-
-def _check_pair(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    if not (trainer_logprobs.shape == rollout_logprobs.shape == mask.shape) or mask.dim() != 2:
-        raise ValueError(
-            f"trainer_logprobs {list(trainer_logprobs.shape)}, rollout_logprobs "
-            f"{list(rollout_logprobs.shape)} and mask {list(mask.shape)} must all be the same [N, R]"
-        )
 
 
 def rejection_keep(
@@ -65,7 +59,7 @@ def rejection_keep(
         raise ValueError(f"unknown rejection level {level!r}: choose from {list(REJECTION_LEVELS)}")
     if not 0 < low < high:
         raise ValueError(f"rejection bounds must satisfy 0 < low < high, got low={low}, high={high}")
-    _check_pair(trainer_logprobs, rollout_logprobs, mask)
+    check_logprob_pair(trainer_logprobs, rollout_logprobs, mask)
     with torch.no_grad():
         m = mask > 0
         zero = torch.zeros_like(trainer_logprobs, dtype=torch.float32)
@@ -186,7 +180,7 @@ def off_policy_sequence_mask(
     """
     if not delta >= 0:
         raise ValueError(f"OPSM delta must be >= 0, got {delta}")
-    _check_pair(logprobs, sampling_logprobs, mask)
+    check_logprob_pair(logprobs, sampling_logprobs, mask)
     if advantages.shape != mask.shape[:1]:
         raise ValueError(f"advantages must be [N] = [{mask.shape[0]}], got shape {list(advantages.shape)}")
     with torch.no_grad():

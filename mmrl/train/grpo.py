@@ -52,7 +52,8 @@ from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
 from mmrl.models.precision import Precision, adamw, place, precision_from
-from mmrl.rewards.config import accelerator_device, build_reward_models
+from mmrl.rewards.catalog import build_reward_models
+from mmrl.rewards.config import accelerator_device
 from mmrl.rewards.placement import RewardPlacement
 from mmrl.rewards.router_bridge import score_model_rewards
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
