@@ -74,7 +74,7 @@ from mmrl.train.evaluation import evaluate
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
-from mmrl.train.rundir import create_run_dir, run_dir_path
+from mmrl.train.rundir import create_run_dir, hold_run_dir, run_dir_path
 from mmrl.train.schedule import schedule_factor
 from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
@@ -203,6 +203,16 @@ def train(cfg: Config) -> TrainResult:
     check_paths(cfg)
     check_trackers_installed(cfg.trainer.loggers)
     run_dir = run_dir_path(cfg)
+    # One run writes a run directory at a time, a resumed one too: the lock comes before anything
+    # there is read or cleaned (a second trainer is refused at once, naming the first).
+    with hold_run_dir(run_dir, "mmrl train"):
+        return _train_holding(cfg, compose, sampler, heldout, run_dir, t_start)
+
+
+def _train_holding(
+    cfg: Config, compose: Composition, sampler: PromptSampler, heldout: list, run_dir: Path, t_start: float
+) -> TrainResult:
+    """`train` from the run directory on, while this process holds its lock."""
     resume_path = plan_resume(cfg, run_dir)
     run_dir = create_run_dir(cfg, run_dir)
 
