@@ -694,10 +694,6 @@ class Config:
                 "trainer.resume is not supported with trainer.backend=ray yet",
             ),
             (
-                self.trainer.backend == "local" or self.model.lora_rank == 0,
-                "model.lora_rank > 0 is not supported with trainer.backend=ray yet",
-            ),
-            (
                 self.trainer.backend == "local" or not self.reward.model_rewards.models,
                 "reward.model_rewards is not supported with trainer.backend=ray yet",
             ),
@@ -864,10 +860,6 @@ class Config:
                 not ds or t.mode == "sync",
                 "trainer.strategy=deepspeed runs with trainer.mode=sync (the asynchronous mode's generator "
                 "keeps a plain copy of the weights)",
-            ),
-            (
-                not ds or m.lora_rank == 0,
-                "trainer.strategy=deepspeed trains full weights; model.lora_rank > 0 needs trainer.strategy=fsdp2",
             ),
             (
                 not ds or m.master_dtype in ("auto", "float32"),

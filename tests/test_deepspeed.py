@@ -50,10 +50,6 @@ from mmrl.train.preflight import plan_resume
             "trainer.strategy=deepspeed runs with trainer.mode=sync",
         ),
         (
-            ["trainer.strategy=deepspeed", "model.lora_rank=8"],
-            "model.lora_rank > 0 needs trainer.strategy=fsdp2",
-        ),
-        (
             ["trainer.strategy=deepspeed", "model.dtype=bfloat16", "model.master_dtype=bfloat16"],
             "model.master_dtype must be auto or float32",
         ),
