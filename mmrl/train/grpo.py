@@ -54,7 +54,6 @@ from mmrl.models.loading import Policy, load_policy
 from mmrl.models.precision import Precision, adamw, place, precision_from
 from mmrl.rewards.config import accelerator_device, build_reward_models
 from mmrl.rewards.placement import RewardPlacement
-from mmrl.rewards.router_bridge import score_model_rewards
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch, Router, model_reward_failed
 from mmrl.train.baselines import greedy_baselines
@@ -145,6 +144,15 @@ class Trainee:
 
     updates_while_scoring = True
     """Whether `update_policy` takes `before_minibatch` (a remote training group does not)."""
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What else a checkpoint holds to resume this trainee exactly (a composition's own
+        state, e.g. the Ray rollout workers' random generators); merged into the trainer state."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """After `resume_from` loaded a checkpoint's weights, optimizer and schedule (`state`: its
+        trainer state): put back what `checkpoint_state` saved, and whatever lives elsewhere."""
 
     def close(self) -> None:
         """Stop what the trainee started (verifier workers; actors and threads in other modes)."""
@@ -355,6 +363,7 @@ def write_checkpoint(
         "sampler": sampler.state_dict(),
         "progress": progress.__dict__.copy(),
         "stability": t.stability.state_dict(),
+        **t.checkpoint_state(),
     }
     if t.stability.resets and isinstance(t.reference, torch.nn.Module):
         # A reset reference is the policy of its reset step, which nothing else can rebuild: it
@@ -410,6 +419,7 @@ def resume_from(
     if "reference" in state and isinstance(t.reference, torch.nn.Module):
         t.reference.load_state_dict(state["reference"])
     set_rng_state(state["rng"])
+    t.restore(state)
     log.info("resumed from %s at step %d", path, progress.step)
     return True
 
@@ -896,8 +906,7 @@ def add_model_rewards(placement: RewardPlacement, batch: RolloutBatch, rewards: 
     if not any(s.reward_model.models for s in batch.samples):
         return
     failures: dict[int, tuple[str, str]] = {}
-    with placement.scoring():
-        rows = score_model_rewards(batch.samples, batch.texts, None, placement.models, failures)
+    rows = placement.score_rows(batch.samples, batch.texts, failures)
     for i, row in enumerate(rows):
         if row:
             rewards.results[i].components.update({f"model/{k}": float(v) for k, v in row.items()})
