@@ -4,7 +4,8 @@ holder is gone is taken over with a warning; a resumed run takes the lock too.
 
 The holder in the two-process tests is a small Python process that takes the lock and waits
 (no model: these tests only need a live process that holds it); the second process is the real
-`mmrl train` / `mmrl eval` command line."""
+`mmrl train` / `mmrl eval` command line. The tests that start processes are marked slow (5-35 s
+each on the shared 2-core machine, most of it importing torch)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def _mmrl(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_a_second_trainer_on_a_directory_in_use_is_refused_naming_the_holder_and_the_fix(holder):
     run_dir, proc = holder
     lock_before = (run_dir / LOCK_NAME).read_text()
@@ -73,6 +75,7 @@ def test_a_second_trainer_on_a_directory_in_use_is_refused_naming_the_holder_and
     assert resumed.returncode == 2 and f"pid {proc.pid}" in resumed.stderr, resumed.stderr
 
 
+@pytest.mark.slow
 def test_eval_into_a_folder_in_use_is_refused(holder, tmp_path):
     run_dir, proc = holder
     out = _mmrl("eval", "--model", str(tmp_path / "no-model-needed"), "--output", str(run_dir))
@@ -80,6 +83,7 @@ def test_eval_into_a_folder_in_use_is_refused(holder, tmp_path):
     assert f"pid {proc.pid}" in out.stderr and "choose another --output" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_process_is_taken_over_with_a_warning(holder, caplog):
     run_dir, proc = holder
     proc.send_signal(signal.SIGKILL)
@@ -230,6 +234,7 @@ RACE = (
 )
 
 
+@pytest.mark.slow
 def test_processes_starting_at_the_same_moment_leave_exactly_one_holder(tmp_path):
     go = tmp_path / "go"
     procs = [

@@ -15,6 +15,10 @@ every mini-batch). DeepSpeed owns what it is for:
                         weights and compute, float32 master weights in the optimizer, gradients
                         accumulated in float32; else float32 throughout
 
+With LoRA (`model.lora_rank > 0`) the engine's optimizer holds the adapters only (ZeRO-2
+partitions their state; ZeRO-3 partitions the frozen base weights too), and the KL reference is
+the same engine's model with its adapters disabled (`EngineModule.disable_adapter`): no copy.
+
 Two things differ from FSDP2 and are handled here. DeepSpeed averages the processes' gradients
 (their sum / world size) where the FSDP2 group sums them, so each loss share is scaled by the
 world size (`GroupLearner.averages_gradients`). Gradient accumulation is left to the caller
@@ -32,8 +36,8 @@ Two compositions use it:
 
 Checkpoints: the optimizer state is consolidated per parameter name (float32 master weight, Adam
 moments, step count, learning rates: `consolidated_optimizer_state`, any stage or world size) and
-put back into the partitions when a local run resumes (`load_consolidated_optimizer_state`; the
-Ray backend does not resume yet). Tested: `tests/test_deepspeed.py` (the 2-process ZeRO-2 and
+put back into the partitions when a run resumes (`load_consolidated_optimizer_state`; in a group
+by `DeepSpeedLearner.load_state`, with the trained weights). Tested: `tests/test_deepspeed.py` (the 2-process ZeRO-2 and
 ZeRO-3 updates against the 1-process one, the local backend's update and resume, a Ray run).
 
 ZeRO-3 records the order in which the model's modules run and requires it to be the same on every

@@ -6,28 +6,41 @@
                             (`rollout.engine`: HF generate or vLLM) and copy of the weights; a
                             batch's prompts are split between them
     reward workers          `trainer.reward_workers` actors, each holding a verifier router (its
-                            worker processes, time limits and error policy), placed across nodes
-                            (their own SPREAD placement group); each response goes to the one
-                            with the fewest responses waiting, as each rollout worker's share
-                            arrives
+                            worker processes, time limits and error policy) and the run's model
+                            rewards, placed across nodes (their own SPREAD placement group);
+                            each response goes to the one with the fewest responses waiting, as
+                            each rollout worker's share arrives; a batch's model rewards are
+                            split evenly over them (`RayModelRewards`)
     training group          `trainer.train_workers` actors, one `GroupLearner` each (FSDP2,
                             data parallel, `mmrl.distributed.training_group`; DeepSpeed ZeRO
                             with `trainer.strategy=deepspeed`, `mmrl.distributed.deepspeed_group`)
 
 The rollout workers and the training group live in one placement group, the reward workers in a
-second one spread over the nodes (`trainer.ray_cpus_per_actor`, `trainer.ray_gpus_per_actor`
-each; reward workers take no GPU). The pieces plug into the same `Trainee` as the local backend:
-the rollout workers are its `engine` (`RolloutPool`), the reward workers its `router`
-(`RayRouter`), the training group its learner (`RayTrainee.old_and_ref_logprobs` /
-`update_policy`); after each update the group's weights go to every rollout worker (one object
-in Ray's store) and to the driver's copy. Metrics and the run directory are the local backend's.
+second one spread over the nodes (`trainer.ray_cpus_per_actor` each; `trainer.ray_gpus_per_actor`
+for rollout and training actors, `trainer.ray_reward_gpus` for reward workers, whose model
+rewards score there and go to host memory around each update by the local placement rules).
+The pieces plug into the same `Trainee` as the local backend: the rollout workers are its
+`engine` (`RolloutPool`), the reward workers its `router` (`RayRouter`) and model rewards, the
+training group its learner (`RayTrainee.old_and_ref_logprobs` / `update_policy`); after each
+update the group's weights go to the driver's copy and from it to every rollout worker (one
+object in Ray's store). Metrics and the run directory are the local backend's.
+
+LoRA: the group trains the adapters (the KL reference is the base with them disabled); the
+driver's copy has the same adapters (checkpoints save them, the final save merges them); the
+rollout workers get the adapters alone (`trainer.lora_sync=adapters`: their engine runs them
+unmerged) or the model with them merged in (`merged`). Measured in `benchmarks/lora_sync.py`.
+
+Resume: a checkpoint holds the driver's copy (the trained weights), the group's optimizer state
+gathered by parameter name, the schedule and the rollout workers' random generators
+(`RayTrainee.checkpoint_state`); `RayTrainee.restore` sends them back to the processes of a new
+group and to the new rollout workers, so a resumed run continues bit for bit (tested after
+SIGKILL at three points, `tests/test_distributed_ray_cluster.py`).
 
 Failures: a call to a dead rollout worker or training process raises an error naming the actor;
 a dead reward worker is replaced (its share of the batch scored again) and the replacement
 logged, at most `MAX_REWARD_RESTARTS` times a run. `close()` stops every actor and the placement
 group (and Ray, when this run started it).
 """
-
 from __future__ import annotations
 
 import contextlib
