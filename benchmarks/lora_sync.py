@@ -69,11 +69,10 @@ def main() -> None:
             worker = ray.remote(RolloutWorker).options(num_cpus=1).remote(cfg, str(folder), 1, 1)
             pool = RolloutPool(ray, [worker], ["rollout worker 0"], tiny.pad_token_id)
 
-            def payload():
-                state = driver.model.state_dict()
+            def payload(model=driver.model, mode=mode):
                 if mode == "adapters":
-                    return {k: v for k, v in state.items() if ".lora_" in k}
-                return merged_state_dict(driver.model)
+                    return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+                return merged_state_dict(model)
 
             syncs, rollouts, mb = [], [], 0.0
             pool.generate(samples[:2], SamplingParams(n=2, max_new_tokens=4))  # warm-up
