@@ -25,7 +25,13 @@ import torch
 
 SIZES = {
     "tiny": {},  # the built-in tiny Qwen2-VL (~0.5M parameters)
-    "wide": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536},
+    "wide": {
+        "hidden_size": 512,
+        "num_layers": 4,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "intermediate_size": 1536,
+    },
 }
 
 
@@ -89,7 +95,9 @@ def main() -> None:
             sync, rollout = statistics.median(syncs) * 1e3, statistics.median(rollouts) * 1e3
             rows.append((size, n_params, mode, mb, sync, rollout))
     ray.shutdown()
-    print(f"{'model':6} {'params':>9} {'mode':9} {'payload MB':>10} {'sync ms':>8} {'rollout ms':>10} {'sum ms':>8}")
+    print(
+        f"{'model':6} {'params':>9} {'mode':9} {'payload MB':>10} {'sync ms':>8} {'rollout ms':>10} {'sum ms':>8}"
+    )
     for size, n, mode, mb, sync, rollout in rows:
         print(f"{size:6} {n:9,d} {mode:9} {mb:10.2f} {sync:8.1f} {rollout:10.1f} {sync + rollout:8.1f}")
 

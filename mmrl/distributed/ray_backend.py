@@ -41,6 +41,7 @@ a dead reward worker is replaced (its share of the batch scored again) and the r
 logged, at most `MAX_REWARD_RESTARTS` times a run. `close()` stops every actor and the placement
 group (and Ray, when this run started it).
 """
+
 from __future__ import annotations
 
 import contextlib
