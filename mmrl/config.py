@@ -612,6 +612,14 @@ class TrainerConfig:
     ray_gpus_per_actor: float = 0.0
     """Ray: GPUs reserved for each rollout and training actor (0: CPU only; the training group
     then communicates with gloo, else NCCL)."""
+    ray_reward_gpus: float = 0.0
+    """Ray: GPUs reserved for each reward worker, where `reward.model_rewards` score (a fraction
+    shares a GPU with policy actors that take the rest of it; the models are moved to host memory
+    around each update by `reward.model_rewards.placement`, as in a local run); 0: the CPU."""
+    lora_sync: str = "auto"
+    """Ray with LoRA: what the rollout workers receive after each update. `adapters`: the adapter
+    weights only (the workers run them unmerged); `merged`: the whole model with the adapters
+    merged in; `auto`: adapters for the HF engine, merged for vLLM (which loads whole weights)."""
 
 
 @dataclass
@@ -795,17 +803,14 @@ class Config:
                 "trainer.mode=async runs with trainer.backend=local (the Ray backend is on-policy)",
             ),
             (
-                self.trainer.backend == "local" or not self.trainer.resume,
-                "trainer.resume is not supported with trainer.backend=ray yet",
+                self.trainer.lora_sync in ("auto", "adapters", "merged"),
+                f"trainer.lora_sync must be auto, adapters or merged, got {self.trainer.lora_sync!r}",
             ),
             (
-                self.trainer.backend == "local" or self.model.lora_rank == 0,
-                "model.lora_rank > 0 is not supported with trainer.backend=ray yet",
+                self.trainer.lora_sync != "adapters" or self.rollout.engine == "hf",
+                "trainer.lora_sync=adapters needs rollout.engine=hf (vLLM loads whole weights: use merged)",
             ),
-            (
-                self.trainer.backend == "local" or not self.reward.model_rewards.models,
-                "reward.model_rewards is not supported with trainer.backend=ray yet",
-            ),
+            (self.trainer.ray_reward_gpus >= 0, "trainer.ray_reward_gpus must be >= 0"),
             (
                 self.trainer.train_workers == 1 or not self.algo.dynamic_sampling,
                 "trainer.train_workers > 1 does not support algo.dynamic_sampling yet (a step's rows "
@@ -974,10 +979,6 @@ class Config:
                 not ds or t.mode == "sync",
                 "trainer.strategy=deepspeed runs with trainer.mode=sync (the asynchronous mode's generator "
                 "keeps a plain copy of the weights)",
-            ),
-            (
-                not ds or m.lora_rank == 0,
-                "trainer.strategy=deepspeed trains full weights; model.lora_rank > 0 needs trainer.strategy=fsdp2",
             ),
             (
                 not ds or m.master_dtype in ("auto", "float32"),

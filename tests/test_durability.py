@@ -343,6 +343,18 @@ def test_a_21_mb_prompt_is_refused_at_load_time_naming_file_line_and_id(tmp_path
     assert "22,0" in message and "more than the limit of 200,000" in message
 
 
+def test_a_ray_run_may_resume_on_a_cluster_at_another_address(tmp_path, caplog):
+    """A restarted Ray cluster may have another head: the address is where the run goes on,
+    not what it learns."""
+    run_dir = tmp_path / "run"
+    base = ["trainer.backend=ray", "trainer.ray_address=10.0.0.1:6379"]
+    checkpoint = _save(run_dir, 2, _cfg(run_dir, *base))
+    moved = _cfg(run_dir, *base, "trainer.resume=auto", "trainer.ray_address=10.0.0.2:6379")
+    with caplog.at_level(logging.WARNING):
+        assert plan_resume(moved, run_dir) == checkpoint
+    assert "trainer.ray_address changed" in caplog.text
+
+
 # -- sample files ---------------------------------------------------------------------------
 
 

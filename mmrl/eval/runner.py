@@ -315,7 +315,23 @@ def run_suite(
     judge: Judge | None = None,
     model_id: str | None = None,
 ) -> EvalResult:
-    """Evaluate `model` (a path, `Policy` or engine) on `suite`; write outputs if `cfg.output_dir`."""
+    """Evaluate `model` (a path, `Policy` or engine) on `suite`; write outputs if `cfg.output_dir`
+    (holding its lock: one writer at a time, as a run directory)."""
+    if not (cfg and cfg.output_dir):
+        return _run_suite(model, suite, cfg, judge, model_id)
+    from mmrl.train.rundir import RunDirLock
+
+    with RunDirLock(cfg.output_dir, "mmrl eval", option="--output"):
+        return _run_suite(model, suite, cfg, judge, model_id)
+
+
+def _run_suite(
+    model: Any,
+    suite: Suite | str | Path,
+    cfg: EvalConfig | None,
+    judge: Judge | None,
+    model_id: str | None,
+) -> EvalResult:
     from tqdm import tqdm
 
     from mmrl.rollout.hf import SamplingParams

@@ -167,3 +167,25 @@ class MergedAdapters:
                 for w, original in zip(weights, saved):
                     w.copy_(original)  # the exact weights (the subtraction rounds)
             del saved
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of the base model with `model`'s LoRA adapters merged in (W + scale * B A),
+    named as the plain model names them; no copy of the model is made (what a rollout engine
+    without adapters loads). Equal to `merged_copy_for_saving(model).state_dict()`."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = model.get_base_model()
+    deltas = {
+        f"{name}.weight": module.get_delta_weight("default")
+        for name, module in inner.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    merged = {}
+    for key, value in inner.state_dict().items():
+        if ".lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        merged[key] = value + deltas[key].to(value.dtype) if key in deltas else value
+    return merged

@@ -176,13 +176,15 @@ def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
 def _build_family_vlm(spec: TinyVLMSpec, seed: int) -> PreTrainedModel:
     from transformers import AutoModelForImageTextToText
 
-    from mmrl.models.tiny_families import family_config, family_tokenizer
+    from mmrl.models.tiny_families import draw_zero_initialised, family_config, family_tokenizer
 
     tokenizer = family_tokenizer(spec.architecture)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     config = family_config(spec)
     torch.manual_seed(seed)
-    return _with_generation_ids(AutoModelForImageTextToText.from_config(config), ids)
+    model = AutoModelForImageTextToText.from_config(config)
+    draw_zero_initialised(model, spec)  # a random model must see its images (Gemma 3's connector)
+    return _with_generation_ids(model, ids)
 
 
 def _with_generation_ids(model: PreTrainedModel, ids: dict[str, int]) -> PreTrainedModel:

@@ -58,6 +58,7 @@ from mmrl.train.flow_checkpoint import (
 )
 from mmrl.train.flow_config import FlowConfig, flow_config_dict, flow_config_to_yaml
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log, read_metrics
+from mmrl.train.rundir import hold_run_dir
 from mmrl.train.schedule import schedule_factor
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,17 @@ class FlowTrainee:
 
 def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
     """`mmrl train --task text_to_image`: train, evaluate, save; returns the figures."""
+    if not cfg.trainer.run_dir:  # fixed once: the lock and everything after name the same folder
+        cfg = copy.deepcopy(cfg)
+        cfg.trainer.run_dir = f"runs/{cfg.data.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # One run writes a run directory at a time, a resumed one too: the lock comes before anything
+    # there is read or cleaned (a second trainer is refused at once, naming the first).
+    with hold_run_dir(cfg.trainer.run_dir, "mmrl train"):
+        return _run_text_to_image(cfg)
+
+
+def _run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
+    """`run_text_to_image` while this process holds the run directory's lock."""
     from mmrl.train.grpo import StopRequest
 
     t_start = time.monotonic()

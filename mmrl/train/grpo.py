@@ -55,7 +55,6 @@ from mmrl.models.precision import Precision, adamw, place, precision_from
 from mmrl.rewards.catalog import build_reward_models
 from mmrl.rewards.config import accelerator_device
 from mmrl.rewards.placement import RewardPlacement
-from mmrl.rewards.router_bridge import score_model_rewards
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch, Router, model_reward_failed
 from mmrl.train.baselines import greedy_baselines
@@ -75,7 +74,7 @@ from mmrl.train.evaluation import EvaluationInterrupted, run_evaluation
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
-from mmrl.train.rundir import create_run_dir, run_dir_path
+from mmrl.train.rundir import create_run_dir, hold_run_dir, run_dir_path
 from mmrl.train.schedule import schedule_factor
 from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
@@ -148,6 +147,15 @@ class Trainee:
     updates_while_scoring = True
     """Whether `update_policy` takes `before_minibatch` (a remote training group does not)."""
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What else a checkpoint holds to resume this trainee exactly (a composition's own
+        state, e.g. the Ray rollout workers' random generators); merged into the trainer state."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """After `resume_from` loaded a checkpoint's weights, optimizer and schedule (`state`: its
+        trainer state): put back what `checkpoint_state` saved, and whatever lives elsewhere."""
+
     def close(self) -> None:
         """Stop what the trainee started (verifier workers; actors and threads in other modes)."""
         self.router.close()
@@ -205,6 +213,22 @@ def train(cfg: Config) -> TrainResult:
     check_paths(cfg)
     check_trackers_installed(cfg.trainer.loggers)
     run_dir = run_dir_path(cfg)
+    # One run writes a run directory at a time, a resumed one too: the lock comes before anything
+    # there is read or cleaned (a second trainer is refused at once, naming the first).
+    with hold_run_dir(run_dir, "mmrl train"):
+        return _train_holding(cfg, compose, sampler, heldout, run_dir, t_start, data_report)
+
+
+def _train_holding(
+    cfg: Config,
+    compose: Composition,
+    sampler: PromptSampler,
+    heldout: list,
+    run_dir: Path,
+    t_start: float,
+    data_report: dict,
+) -> TrainResult:
+    """`train` from the run directory on, while this process holds its lock."""
     resume_path = plan_resume(cfg, run_dir)
     run_dir = create_run_dir(cfg, run_dir)
 
@@ -356,6 +380,7 @@ def write_checkpoint(
         "sampler": sampler.state_dict(),
         "progress": progress.__dict__.copy(),
         "stability": t.stability.state_dict(),
+        **t.checkpoint_state(),
     }
     if t.stability.resets and isinstance(t.reference, torch.nn.Module):
         # A reset reference is the policy of its reset step, which nothing else can rebuild: it
@@ -411,6 +436,7 @@ def resume_from(
     if "reference" in state and isinstance(t.reference, torch.nn.Module):
         t.reference.load_state_dict(state["reference"])
     set_rng_state(state["rng"])
+    t.restore(state)
     log.info("resumed from %s at step %d", path, progress.step)
     return True
 
@@ -927,8 +953,7 @@ def add_model_rewards(placement: RewardPlacement, batch: RolloutBatch, rewards: 
     if not any(s.reward_model.models for s in batch.samples):
         return
     failures: dict[int, tuple[str, str]] = {}
-    with placement.scoring():
-        rows = score_model_rewards(batch.samples, batch.texts, None, placement.models, failures)
+    rows = placement.score_rows(batch.samples, batch.texts, failures)
     for i, row in enumerate(rows):
         if row:
             rewards.results[i].components.update({f"model/{k}": float(v) for k, v in row.items()})
