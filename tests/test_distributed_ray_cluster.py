@@ -68,22 +68,38 @@ def cluster(tmp_path_factory):
     stops its node's processes when it is terminated."""
     temp = tmp_path_factory.mktemp("ray")
     port = _port()
-    common = ["--block", "--num-cpus=2", "--disable-usage-stats", "--object-store-memory=200000000",
-              f"--dashboard-agent-listen-port={_port()}"]  # fmt: skip
+
+    def own_ports() -> list[str]:
+        # Every port a node listens on, free ones chosen here: two nodes on one machine (and any
+        # other Ray a parallel test runs) would otherwise meet on Ray's fixed defaults.
+        return [f"--dashboard-agent-listen-port={_port()}", f"--dashboard-agent-grpc-port={_port()}",
+                f"--node-manager-port={_port()}", f"--object-manager-port={_port()}",
+                f"--metrics-export-port={_port()}", f"--runtime-env-agent-port={_port()}"]  # fmt: skip
+
+    common = ["--block", "--num-cpus=2", "--disable-usage-stats", "--object-store-memory=200000000"]
     head = [RAY, "start", "--head", f"--port={port}", "--include-dashboard=false", f"--dashboard-port={_port()}",
-            f"--ray-client-server-port={_port()}", f"--temp-dir={temp}", '--resources={"head_node": 1}', *common]  # fmt: skip
-    nodes = [subprocess.Popen(head, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+            f"--ray-client-server-port={_port()}", f"--temp-dir={temp}", '--resources={"head_node": 1}',
+            *common, *own_ports()]  # fmt: skip
+    logs = [temp / "head.log", temp / "second.log"]
+
+    def start(cmd: list[str], log) -> subprocess.Popen:
+        with open(log, "w") as out:
+            return subprocess.Popen(cmd, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+
+    def failed(k: int) -> str:
+        return f"the Ray {('head', 'second node')[k]} did not start:\n{logs[k].read_text()[-3000:]}"
+
+    nodes = [start(head, logs[0])]
     address = f"127.0.0.1:{port}"
     try:
         while _alive_nodes(address) < 1:
-            assert nodes[0].poll() is None, "the Ray head did not start"
+            assert nodes[0].poll() is None, failed(0)
             time.sleep(1)
-        second = [RAY, "start", f"--address={address}", '--resources={"second_node": 1}', *common]
-        nodes.append(
-            subprocess.Popen(second, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        )
+        second = [RAY, "start", f"--address={address}", '--resources={"second_node": 1}',
+                  *common, *own_ports()]  # fmt: skip
+        nodes.append(start(second, logs[1]))
         while _alive_nodes(address) < 2:
-            assert nodes[1].poll() is None, "the second Ray node did not start"
+            assert nodes[1].poll() is None, failed(1)
             time.sleep(1)
         yield address
     finally:

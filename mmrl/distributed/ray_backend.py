@@ -113,6 +113,11 @@ class RolloutWorker:
     def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
         return self.engine.generate(samples, params)
 
+    def rollout_metrics(self) -> dict[str, float]:
+        """The engine's facts about its last `generate` (`HFRolloutEngine.rollout_metrics`)."""
+        facts = getattr(self.engine, "rollout_metrics", None)
+        return facts() if callable(facts) else {}
+
     def load_weights(self, state_dict: dict[str, torch.Tensor], adapters: bool = False) -> None:
         """The policy's new weights: all of them, or (`adapters`) every LoRA adapter weight."""
         model = getattr(self.engine, "model", None)
@@ -162,7 +167,8 @@ class RewardWorker:
         self.placement = None
         mr = cfg.reward.model_rewards
         if mr.models:  # model rewards, placed by the local rules on this actor's device
-            from mmrl.rewards.config import accelerator_device, build_reward_models
+            from mmrl.rewards.catalog import build_reward_models
+            from mmrl.rewards.config import accelerator_device
             from mmrl.rewards.placement import RewardPlacement
             from mmrl.verifier_pool import import_plugins
 
@@ -283,6 +289,7 @@ class RolloutPool:
 
     def __init__(self, ray, workers: list, names: list[str], pad_token_id: int):
         self.ray, self.workers, self.names, self.pad_token_id = ray, workers, names, pad_token_id
+        self._used: list[int] = []  # the workers the last `generate` gave a part to
 
     def generate(self, samples: list[Sample], params: SamplingParams, on_response=None) -> RolloutBatch:
         """`on_response(row, text)` is called for each row of a worker's part as soon as that
@@ -291,6 +298,7 @@ class RolloutPool:
         bounds = [round(i * len(samples) / k) for i in range(k + 1)]
         parts = [(i, bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
         refs = {self.workers[i].generate.remote(samples[a:b], params): (i, a) for i, a, b in parts}
+        self._used = [i for i, _, _ in parts]
         chunks: dict[int, RolloutBatch] = {}
         waiting = list(refs)
         while waiting:
@@ -309,6 +317,27 @@ class RolloutPool:
     def load_weights(self, state_dict: dict[str, torch.Tensor], adapters: bool = False) -> None:
         ref = self.ray.put(state_dict)  # one copy in the object store, read by every worker
         _get(self.ray, [w.load_weights.remote(ref, adapters) for w in self.workers], self.names)
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """The local engine's rollout facts over the workers of the last `generate`: whether LoRA
+        was merged or decoding captured (every worker: the minimum), compactions summed, the
+        decode step time and live cache as the workers' mean."""
+        if not self._used:
+            return {}
+        workers = [self.workers[i] for i in self._used]
+        parts = _get(
+            self.ray, [w.rollout_metrics.remote() for w in workers], [self.names[i] for i in self._used]
+        )
+        out: dict[str, float] = {}
+        for key in set().union(*parts):
+            values = [p[key] for p in parts if key in p]
+            if key == "rollout/compactions":
+                out[key] = float(sum(values))
+            elif key in ("rollout/lora_merged", "rollout/decode_captured"):
+                out[key] = float(min(values))
+            else:
+                out[key] = sum(values) / len(values)
+        return out
 
     def rng_states(self) -> list[dict[str, Any]]:
         return _get(self.ray, [w.rng_state.remote() for w in self.workers], self.names)

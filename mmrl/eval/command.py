@@ -140,6 +140,11 @@ def run_eval_command(args: argparse.Namespace) -> int:
                 suite = load_suite(suite_path, cfg.media_root)
             except SuiteError as exc:
                 report.add("--suite", str(exc))
+        # A folder another run is writing: said with the other problems, before the model loads.
+        from mmrl.train.rundir import RunDirLock
+
+        if cfg.output_dir and (busy := RunDirLock(cfg.output_dir, "mmrl eval", option="--output").in_use()):
+            report.add("--output", busy)
         if report.problems:
             return report.print("eval")
         result = run_suite(args.model, suite, cfg)

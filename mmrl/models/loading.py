@@ -76,11 +76,11 @@ def load_policy(
     elif not HUB_ID.fullmatch(source):
         raise ModelNotFoundError(f"model {source!r}: no such local folder (and not a hub id like 'org/name')")
     cache_only = not local.is_dir() and cache_only_if_hub_silent(source, revision)
+    # Only a silent hub adds local_files_only: otherwise the arguments reach transformers as given.
+    offline = {"local_files_only": True} if cache_only else {}
     with hub_errors(source, revision):
-        processor = AutoProcessor.from_pretrained(source, revision=revision, local_files_only=cache_only)
-        model = AutoModelForImageTextToText.from_pretrained(
-            source, dtype=dtype, revision=revision, local_files_only=cache_only
-        )
+        processor = AutoProcessor.from_pretrained(source, revision=revision, **offline)
+        model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype, revision=revision, **offline)
     if getattr(processor, "chat_template", None) is None and processor.tokenizer.chat_template is None:
         raise ValueError(f"{source}: the processor has no chat template")
     if device is not None:

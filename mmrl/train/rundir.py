@@ -196,6 +196,17 @@ class RunDirLock:
             f"another {self.option}. If that process is gone, delete {self.path}."
         )
 
+    def in_use(self) -> str | None:
+        """Why `acquire` would refuse this folder now (a live holder, an unreadable lock), or
+        None: a read-only look, for checks that report every problem before anything starts."""
+        if not self.path.exists():
+            return None
+        try:
+            self._refuse_or_take_over()
+        except RunDirInUse as exc:
+            return str(exc)
+        return None
+
     def release(self) -> None:
         """Remove the lock if it is still this process's."""
         if self.holder is None:
