@@ -1212,20 +1212,10 @@ def _merge(base: Any, extra: Any, where: str) -> Any:
 
 
 def _documented_fields(cls: type) -> set[str]:
-    """Fields of a dataclass followed by a docstring in its source."""
-    import ast
-    import inspect
-    import textwrap
+    """Fields of a dataclass (and of its dataclass bases) followed by a docstring in the source."""
+    from mmrl.config_reference import field_docs
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    return {
-        stmt.target.id
-        for stmt, nxt in zip(body, body[1:])
-        if isinstance(stmt, ast.AnnAssign)
-        and isinstance(nxt, ast.Expr)
-        and isinstance(nxt.value, ast.Constant)
-    }
+    return set(field_docs(cls))
 
 
 def _nested(cls: type):

@@ -1,8 +1,8 @@
 """The config reference: every field of every config dataclass, its type, default and doc.
 
-The docs site's "Config reference" page is generated from this at build time
-(`docs/hooks.py`), from the same field docstrings the code carries, so the page cannot drift
-from the code. `python -m mmrl.config_reference` prints it.
+`docs/reference/config.md` is this module's output (`make docs` writes it), from the same field
+docstrings the code carries; `tests/test_docs.py` fails when the file differs from what the code
+gives now, so the page cannot drift from the code. `python -m mmrl.config_reference` prints it.
 """
 
 from __future__ import annotations

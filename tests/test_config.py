@@ -52,6 +52,7 @@ def test_invalid_combinations_are_rejected_with_a_reason():
 CONFIG_ROOTS = {
     "mmrl.config": "Config",
     "mmrl.train.flow_config": "FlowConfig",
+    "mmrl.train.decoupled_config": "DecoupledConfig",
     "mmrl.eval.config": "EvalConfig",
     "mmrl.server.config": "ServeConfig",
     "mmrl.rewards.config": "ModelRewardsConfig",

@@ -64,17 +64,21 @@ class PlannerConfig:
     loss: str = "ppo"
     """Policy loss (`mmrl.algos.losses`: ppo, gspo, cispo, ...)."""
     clip_low: float = 0.2
+    """Lower clip range of the planner's ratio (1 - clip_low)."""
     clip_high: float = 0.2
+    """Upper clip range of the planner's ratio (1 + clip_high; clip-higher when above clip_low)."""
     agg: str = "token_mean"
     """Loss aggregation (`mmrl.algos.losses.AGGREGATIONS`)."""
     lr: float = 1e-3
     """AdamW learning rate of the planner."""
     weight_decay: float = 0.0
+    """AdamW weight decay of the planner."""
     grad_clip: float = 1.0
     """Clip the planner's gradient norm to this (0: off)."""
     mini_batches: int = 1
     """Optimizer steps per inner epoch over the B x G plans."""
     inner_epochs: int = 1
+    """Passes over each step's plans (PPO epochs)."""
     rewards: PlannerRewardConfig = field(default_factory=PlannerRewardConfig)
     """The planner's rewards (see `PlannerRewardConfig`)."""
 
