@@ -31,13 +31,23 @@ def modules() -> dict[str, Path]:
 
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the package modules it imports, at any depth of its code (a function-level
-    import is an arrow too: it runs). `from a import b` points at `a.b` when that is a module,
+    import is an arrow too: it runs; one under `if TYPE_CHECKING:` is not: it never does). `from a import b` points at `a.b` when that is a module,
     else at `a`; a parent package that Python imports on the way is not an arrow."""
     graph = {}
     for name, path in mods.items():
         is_package = path.name == "__init__.py"
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        type_only = {  # `if TYPE_CHECKING:` imports never run: not an arrow
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for stmt in node.body
+            for inner in ast.walk(stmt)
+        }
+        for node in ast.walk(tree):
+            if id(node) in type_only:
+                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
