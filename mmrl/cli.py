@@ -310,8 +310,8 @@ def _train(args: argparse.Namespace) -> int:
 
     if recipe_kind(args.task) in ("diffusion", "decoupled"):
         return _train_diffusion(args, report.config)
+    from mmrl.compose import train
     from mmrl.datasets.schema import SampleError
-    from mmrl.train.grpo import train
     from mmrl.train.storage import StorageError
 
     try:

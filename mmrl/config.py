@@ -9,8 +9,11 @@ with the full key name (OmegaConf structured configs do the checking).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -1211,21 +1214,27 @@ def _merge(base: Any, extra: Any, where: str) -> Any:
         raise _config_error(f"{where}: {_describe(exc)}", exc) from None
 
 
-def _documented_fields(cls: type) -> set[str]:
-    """Fields of a dataclass followed by a docstring in its source."""
-    import ast
-    import inspect
-    import textwrap
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass `cls` (and of its dataclass bases), by name.
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    return {
-        stmt.target.id
-        for stmt, nxt in zip(body, body[1:])
-        if isinstance(stmt, ast.AnnAssign)
-        and isinstance(nxt, ast.Expr)
-        and isinstance(nxt.value, ast.Constant)
-    }
+    A field's doc is the string literal on the line after its annotated assignment (the
+    attribute-docstring convention that Sphinx and mkdocstrings read)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for stmt, nxt in zip(body, body[1:]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
 
 
 def _nested(cls: type):
@@ -1248,7 +1257,7 @@ def undocumented_fields(cls: type, seen: set | None = None) -> list[str]:
     if cls in seen:
         return []
     seen.add(cls)
-    documented = _documented_fields(cls)
+    documented = set(field_docs(cls))
     missing = [f"{cls.__name__}.{f.name}" for f in dataclasses.fields(cls) if f.name not in documented]
     for sub in _nested(cls):
         missing += undocumented_fields(sub, seen)

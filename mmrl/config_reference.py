@@ -1,42 +1,18 @@
 """The config reference: every field of every config dataclass, its type, default and doc.
 
-The docs site's "Config reference" page is generated from this at build time
-(`docs/hooks.py`), from the same field docstrings the code carries, so the page cannot drift
-from the code. `python -m mmrl.config_reference` prints it.
+`docs/reference/config.md` is this module's output (`make docs` writes it), from the same field
+docstrings the code carries; `tests/test_docs.py` fails when the file differs from what the code
+gives now, so the page cannot drift from the code. `python -m mmrl.config_reference` prints it.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
-import textwrap
 import typing
 from collections.abc import Iterator
 from typing import Any
 
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of dataclass `cls` (and of its dataclass bases), by name.
-
-    A field's doc is the string literal on the line after its annotated assignment (the
-    attribute-docstring convention that Sphinx and mkdocstrings read)."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass) or klass is object:
-            continue
-        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        body = tree.body[0].body
-        for stmt, nxt in zip(body, body[1:]):
-            if (
-                isinstance(stmt, ast.AnnAssign)
-                and isinstance(stmt.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
+from mmrl.config import field_docs
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -93,8 +69,7 @@ def config_sections() -> list[tuple[str, str, type]]:
     from mmrl.config import Config
     from mmrl.eval.config import CurveConfig, EvalConfig
     from mmrl.server.config import ServeConfig
-    from mmrl.train.decoupled_config import DecoupledConfig
-    from mmrl.train.flow_config import FlowConfig
+    from mmrl.train.flow_config import DecoupledConfig, FlowConfig
 
     return [
         ("mmrl train (VLM GRPO)", "`mmrl train --task vision_reasoning key=value ...`", Config),
@@ -116,7 +91,7 @@ def reference_markdown() -> str:
         "# Config reference",
         "",
         "Generated from the field docstrings in the code (`mmrl/config.py`, `mmrl/train/flow_config.py`, "
-        "`mmrl/train/decoupled_config.py`, `mmrl/eval/config.py`, `mmrl/server/config.py`); every default "
+        "`mmrl/train/flow_config.py`, `mmrl/eval/config.py`, `mmrl/server/config.py`); every default "
         "lives there. Set a field with `key=value` on the command line or as a YAML key under `--config`.",
         "",
     ]

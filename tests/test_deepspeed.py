@@ -20,11 +20,12 @@ import sys
 import pytest
 import torch
 
+from mmrl.compose import train
 from mmrl.config import config_to_yaml, load_config
 from mmrl.datasets.procedural import make_samples
 from mmrl.models.loading import load_policy
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
-from mmrl.train.grpo import make_trainee, train
+from mmrl.train.grpo import make_trainee
 from mmrl.train.preflight import plan_resume
 
 # -- the config checks (no DeepSpeed needed) --------------------------------------------------

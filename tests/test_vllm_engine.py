@@ -1185,8 +1185,10 @@ def test_the_synchronous_loop_generates_with_vllm_asleep_during_each_update(save
             f"trainer.run_dir={tmp_path / 'run'}", "trainer.dump_steps=true",
         ],
     )  # fmt: skip
-    assert grpo.composition(cfg).make_trainee.__module__ == "mmrl.train.colocated"
-    result = grpo.train(cfg)
+    from mmrl import compose
+
+    assert compose.composition(cfg).make_trainee.__module__ == "mmrl.train.colocated"
+    result = compose.train(cfg)
     assert result.steps == 2
     (llm,) = fake_vllm
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]

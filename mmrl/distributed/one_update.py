@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from mmrl.config import load_config
-from mmrl.distributed.training_group import learner_class, merge_metrics
+from mmrl.distributed.learners import learner_class
+from mmrl.distributed.training_group import merge_metrics
 
 
 def main(argv: list[str] | None = None) -> None:

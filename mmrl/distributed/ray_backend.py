@@ -250,7 +250,7 @@ class TrainWorker:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def setup(self, cfg: Config, model_path: str, rank: int, world_size: int, init_method: str) -> None:
-        from mmrl.distributed.training_group import learner_class
+        from mmrl.distributed.learners import learner_class
 
         self.learner = learner_class(cfg)(cfg, model_path, rank, world_size, init_method)
 

@@ -27,8 +27,8 @@ no DAPO dynamic sampling (rows must split evenly). A non-finite loss in one proc
 micro-batches but not the others': the group would stop in a collective.
 
 `trainer.strategy=deepspeed` swaps FSDP2 for DeepSpeed ZeRO in the same class's place
-(`learner_class`; `mmrl.distributed.deepspeed_group.DeepSpeedLearner`): the same rows, shares and
-update, DeepSpeed's engine, optimizer and clipping.
+(`mmrl.distributed.learners.learner_class`; `mmrl.distributed.deepspeed_group.DeepSpeedLearner`):
+the same rows, shares and update, DeepSpeed's engine, optimizer and clipping.
 
 Launch: one `GroupLearner` per process, each told its rank, the world size and a rendezvous
 (`init_method`): Ray actors (`mmrl.distributed.ray_backend`), or any launcher such as
@@ -419,13 +419,3 @@ def merge_metrics(parts: list[list[tuple[dict[str, float], float, float]]]) -> d
         else:
             merged[key] = sum(v * t for v, (_, t) in zip(values, per_mb)) / total
     return merged
-
-
-def learner_class(cfg: Config) -> type[GroupLearner]:
-    """The class of one training-group process for `trainer.strategy`: `GroupLearner` (FSDP2)
-    or `mmrl.distributed.deepspeed_group.DeepSpeedLearner` (DeepSpeed ZeRO)."""
-    if cfg.trainer.strategy == "deepspeed":
-        from mmrl.distributed.deepspeed_group import DeepSpeedLearner
-
-        return DeepSpeedLearner
-    return GroupLearner

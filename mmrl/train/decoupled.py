@@ -44,7 +44,6 @@ import torch
 from tqdm import tqdm
 
 from mmrl.models.planner import PlanBatch, Planner, builtin_planner, load_planner, plan_accuracy
-from mmrl.train.decoupled_config import DecoupledConfig
 from mmrl.train.flow_checkpoint import (
     FlowProgress,
     _Weights,
@@ -54,7 +53,7 @@ from mmrl.train.flow_checkpoint import (
     restore_flow_checkpoint,
     write_flow_checkpoint,
 )
-from mmrl.train.flow_config import flow_config_dict
+from mmrl.train.flow_config import DecoupledConfig, flow_config_dict
 from mmrl.train.flow_grpo import (
     FlowTrainee,
     FlowTrainResult,

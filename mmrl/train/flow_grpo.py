@@ -47,6 +47,7 @@ from mmrl.algos.sde import clipped_step_loss, flow_grpo_advantages, mean_kl
 from mmrl.models.precision import Precision, adamw, place, precision_from
 from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
 from mmrl.rollout.diffusion import FlowSampler, Trajectory, choose_sde_steps
+from mmrl.train.ema import EMA
 from mmrl.train.flow_checkpoint import (
     FlowProgress,
     check_config_unchanged,
@@ -100,42 +101,6 @@ class FlowTrainResult:
             f"{self.final_reward:.4f} ({self.final_reward - self.start_reward:+.4f}; best "
             f"{self.best_reward:.4f}); run directory {self.run_dir}"
         )
-
-
-class EMA:
-    """Exponential moving average of parameters, swapped in for evaluation and saving.
-
-    ema <- d ema + (1 - d) p with d = min(decay, (1 + n) / (10 + n)) at the n-th update (a warm-up
-    so early averages are not dominated by the initial weights).
-    """
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], decay: float):
-        self.params = list(params)
-        self.shadow = [p.detach().clone().float() for p in self.params]
-        self.decay = decay
-        self.updates = 0
-        self._stash: list[torch.Tensor] | None = None
-
-    @torch.no_grad()
-    def update(self) -> None:
-        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        for s, p in zip(self.shadow, self.params):
-            s.mul_(d).add_(p.detach().float(), alpha=1 - d)
-        self.updates += 1
-
-    @contextmanager
-    def applied(self) -> Iterator[None]:
-        """The EMA weights in place of the live ones inside the block."""
-        with torch.no_grad():
-            stash = [p.detach().clone() for p in self.params]
-            for s, p in zip(self.shadow, self.params):
-                p.copy_(s)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for s, p in zip(stash, self.params):
-                    p.copy_(s)
 
 
 class Reference:

@@ -164,39 +164,43 @@ class Trainee:
 @dataclass
 class Composition:
     """How a run is put together from the same pieces: what builds the trainee and what one step
-    is. The default is the single-process, on-policy loop; `trainer.backend=ray`
-    (`mmrl.distributed.ray_backend`), `trainer.mode=async` (`mmrl.train.async_grpo`) and
-    `rollout.engine=vllm` in the on-policy loop (`mmrl.train.colocated`) and
-    `trainer.strategy=deepspeed` (`mmrl.distributed.deepspeed_group`) swap them."""
+    is. The default is the single-process, on-policy loop (`local_composition`); the others are
+    chosen by name in `mmrl.compose`, above this module, which imports none of them."""
 
     make_trainee: Callable[[Config, Policy, Path | None], Trainee]
     step: Callable[..., dict[str, float]]
 
 
-def composition(cfg: Config) -> Composition:
-    """The composition `trainer.backend` and `trainer.mode` ask for."""
-    if cfg.trainer.backend == "ray":
-        from mmrl.distributed.ray_backend import ray_composition
-
-        return ray_composition(cfg)
-    if cfg.trainer.mode == "async":
-        from mmrl.train.async_grpo import async_composition
-
-        return async_composition(cfg)
-    if cfg.trainer.strategy == "deepspeed":
-        from mmrl.distributed.deepspeed_group import deepspeed_composition
-
-        return deepspeed_composition(cfg)
-    if cfg.rollout.engine == "vllm":
-        from mmrl.train.colocated import colocated_composition
-
-        return colocated_composition(cfg)
+def local_composition() -> Composition:
+    """The default: the single-process, on-policy loop of this module."""
     return Composition(make_trainee=make_trainee, step=grpo_step)
 
 
-def train(cfg: Config) -> TrainResult:
+def asks_for_another_composition(cfg: Config) -> str | None:
+    """The setting that chooses a composition other than this module's loop (None: none does)."""
+    t = cfg.trainer
+    for key, value, default in (
+        ("trainer.backend", t.backend, "local"),
+        ("trainer.mode", t.mode, "sync"),
+        ("trainer.strategy", t.strategy, "fsdp2"),
+        ("rollout.engine", cfg.rollout.engine, "hf"),
+    ):
+        if value != default:
+            return f"{key}={value}"
+    return None
+
+
+def train(cfg: Config, compose: Composition | None = None) -> TrainResult:
+    """Train `cfg`'s run with `compose` (None: this module's loop, in this process).
+
+    The other compositions (Ray, async, DeepSpeed, colocated vLLM) are chosen by name above this
+    loop, in `mmrl.compose`; `mmrl.compose.train(cfg)` picks the one `cfg` asks for."""
     t_start = time.monotonic()
-    compose = composition(cfg)
+    if compose is None:
+        other = asks_for_another_composition(cfg)
+        if other is not None:
+            raise ValueError(f"{other} is a composition of mmrl.compose: run it with mmrl.compose.train(cfg)")
+        compose = local_composition()
     # 1. Setup: seeds, threads.
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
