@@ -12,6 +12,8 @@ export PYTHONSAFEPATH := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# mkdocs 1.x prints a banner about its successor on every build.
+export NO_MKDOCS_2_WARNING := 1
 # DeepSpeed installs without building its C++ ops; they are built on first use and cached here
 # (kept across runs and CI jobs, shared by every process of a run).
 export DS_BUILD_OPS := 0
