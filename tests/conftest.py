@@ -83,6 +83,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "xdist_group(name): tests kept on one xdist worker (--dist loadgroup)")
     # Each xdist worker takes its share of the cores for torch (two workers on two cores: one
     # thread each), instead of every worker starting one thread per core.
     global _THREADS
