@@ -17,4 +17,6 @@ def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float,
     z2 = z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    low = 0.0 if successes == 0 else max(0.0, centre - half)  # exactly 0 and 1 at the ends,
+    high = 1.0 if successes == n else min(1.0, centre + half)  # not a rounding away from them
+    return low, high

@@ -56,7 +56,6 @@ the IoU of the asked-for colour's objects with the ideal asked-for shape, counte
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -177,10 +176,8 @@ def analyse(image: Image.Image | np.ndarray) -> Analysis:
     labels = np.where(foreground, labels, -1)
     objects, in_objects = [], np.zeros((h, w), dtype=bool)
     min_area = max(4, MIN_AREA * h * w)
-    for region, _label in _regions(labels):
+    for region, _label in _regions(labels, min_area):  # most regions of a noisy image are specks
         area = len(region)
-        if area < min_area:  # most regions of a noisy image: skip them before measuring
-            continue
         ys, xs = region[:, 0], region[:, 1]
         x0, x1, y0, y1 = int(xs.min()), int(xs.max()), int(ys.min()), int(ys.max())
         if x1 - x0 + 1 > FRAME_SPAN * w or y1 - y0 + 1 > FRAME_SPAN * h:
@@ -210,24 +207,40 @@ def analyse(image: Image.Image | np.ndarray) -> Analysis:
     return Analysis(objects, float(foreground.mean()), stray, (w, h), noise, edge_noise)
 
 
-def _regions(labels: np.ndarray):
-    """(pixels [K, 2] as (y, x), label) of each 4-connected region of equal label >= 0."""
+def _regions(labels: np.ndarray, min_area: float = 0):
+    """(pixels [K, 2] as (y, x), label) of each 4-connected region of equal label >= 0 with at
+    least `min_area` pixels, in the order of their first pixel (row-major).
+
+    Each pixel starts as its own index; every pass takes the smallest index among it and its
+    connected neighbours and then that index's own (pointer jumping), until nothing changes:
+    then every pixel holds the first pixel of its region."""
     h, w = labels.shape
-    seen = labels < 0
-    for y0, x0 in np.argwhere(~seen):
-        if seen[y0, x0]:
+    valid = labels >= 0
+    none = h * w  # larger than any index
+    ids = np.where(valid, np.arange(h * w).reshape(h, w), none)
+    down = valid[:-1] & (labels[:-1] == labels[1:])  # (y, x) joins (y + 1, x)
+    right = valid[:, :-1] & (labels[:, :-1] == labels[:, 1:])  # (y, x) joins (y, x + 1)
+    while True:
+        low = ids.copy()
+        low[:-1] = np.minimum(low[:-1], np.where(down, ids[1:], none))
+        low[1:] = np.minimum(low[1:], np.where(down, ids[:-1], none))
+        low[:, :-1] = np.minimum(low[:, :-1], np.where(right, ids[:, 1:], none))
+        low[:, 1:] = np.minimum(low[:, 1:], np.where(right, ids[:, :-1], none))
+        low = np.where(valid, low.ravel()[np.minimum(low, none - 1)].reshape(h, w), none)
+        low = np.minimum(low, ids)
+        if np.array_equal(low, ids):
+            break
+        ids = low
+    flat = ids.ravel()
+    members = np.flatnonzero(flat < none)
+    roots, sizes = np.unique(flat[members], return_counts=True)
+    order = members[np.argsort(flat[members], kind="stable")]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for root, size, start in zip(roots.tolist(), sizes.tolist(), starts[:-1].tolist()):
+        if size < min_area:
             continue
-        label = labels[y0, x0]
-        seen[y0, x0] = True
-        queue, pixels = deque([(int(y0), int(x0))]), []
-        while queue:
-            y, x = queue.popleft()
-            pixels.append((y, x))
-            for ny, nx in ((y - 1, x), (y + 1, x), (y, x - 1), (y, x + 1)):
-                if 0 <= ny < h and 0 <= nx < w and not seen[ny, nx] and labels[ny, nx] == label:
-                    seen[ny, nx] = True
-                    queue.append((ny, nx))
-        yield np.array(pixels), int(label)
+        pixels = order[start : start + size]
+        yield np.stack([pixels // w, pixels % w], axis=1), int(labels.flat[root])
 
 
 def _core(ys: np.ndarray, xs: np.ndarray, bw: int, bh: int) -> int:
@@ -325,6 +338,24 @@ def _template_points(name: str, variant: int) -> np.ndarray:
     return points[_inside(polygon, points[:, 0], points[:, 1])]
 
 
+@cache
+def _bank() -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """Every ideal shape and decoy variant at once: (the name of each variant, [V] its area,
+    [P, 2] the points of all of them relative to their variant's centroid, in units of its
+    spread, [P] the variant of each point)."""
+    names, areas, points, owner = [], [], [], []
+    variants = [(n, 0) for n in SHAPE_TEMPLATES] + [
+        (n, i) for n, vs in DECOYS.items() for i in range(len(vs))
+    ]
+    for v, (name, i) in enumerate(variants):
+        area, cx, cy, spread, _ = _template_moments(name, i)
+        names.append(name)
+        areas.append(area / spread**2)
+        points.append((_template_points(name, i) - [cx, cy]) / spread)
+        owner.append(np.full(len(points[-1]), v))
+    return names, np.array(areas), np.concatenate(points).astype(np.float32), np.concatenate(owner)
+
+
 def _halton(i: np.ndarray, base: int) -> np.ndarray:
     """The radical inverse of each index in `base` (a low-discrepancy sequence in [0, 1))."""
     out, f, i = np.zeros(len(i)), 1.0, i.copy()
@@ -391,26 +422,22 @@ def shape_fits(ys: np.ndarray, xs: np.ndarray) -> dict[str, float]:
     ys, xs = np.asarray(ys, dtype=np.int64), np.asarray(xs, dtype=np.int64)
     # the region on a grid with room for any ideal shape laid over it (none reaches more than
     # 3.1 of its spreads from its centroid: a triangle's apex)
-    pad = int(np.ceil(6 * spread)) + 2
+    pad = int(np.ceil(4 * spread)) + 2
     x0, y0 = int(xs.min()) - pad, int(ys.min()) - pad
     grid = np.zeros((int(ys.max()) - y0 + pad + 1, int(xs.max()) - x0 + pad + 1), dtype=bool)
     grid[ys - y0, xs - x0] = True
-    n = len(xs)
-
-    def iou(name: str, variant: int) -> float:
-        area, tx, ty, t_spread, _ = _template_moments(name, variant)
-        k = t_spread / spread  # template units per pixel
-        points = _template_points(name, variant)
-        px = np.floor((points[:, 0] - tx) / k + cx + 0.5).astype(np.int64) - x0
-        py = np.floor((points[:, 1] - ty) / k + cy + 0.5).astype(np.int64) - y0
-        inside = (px >= 0) & (py >= 0) & (px < grid.shape[1]) & (py < grid.shape[0])
-        hits = grid[py[inside], px[inside]].sum()
-        covered = area / k**2 * hits / len(points)
-        return float(covered / (n + area / k**2 - covered))
-
-    fits = {name: iou(name, 0) for name in SHAPE_TEMPLATES}
-    for name, variants in DECOYS.items():
-        fits[name] = max(iou(name, i) for i in range(len(variants)))
+    names, areas, points, owner = _bank()
+    # pixel of each point (truncation is the floor: the pad keeps every coordinate positive)
+    px = (points[:, 0] * np.float32(spread) + np.float32(cx - x0 + 0.5)).astype(np.int32)
+    py = (points[:, 1] * np.float32(spread) + np.float32(cy - y0 + 0.5)).astype(np.int32)
+    hits = np.bincount(owner, weights=grid.ravel()[py * grid.shape[1] + px], minlength=len(names))
+    counts = np.bincount(owner, minlength=len(names))
+    pixels = areas * spread**2  # each variant's area in pixels, at the region's spread
+    covered = pixels * hits / counts
+    iou = covered / (len(xs) + pixels - covered)
+    fits: dict[str, float] = {}
+    for name, value in zip(names, iou.tolist()):
+        fits[name] = max(fits.get(name, 0.0), value)
     return fits
 
 
