@@ -739,3 +739,40 @@ def test_text_prompts_get_no_free_attribute_credit_from_the_reward():
         assert out.components[part][0] == 1.0 and np.isnan(out.components[part][1]), part
     assert out.components["shape_fit"][0] > 0.85 and np.isnan(out.components["shape_fit"][1])
     assert out.components["noise"][0] == 0.0 and np.isnan(out.components["noise"][1])
+
+
+def _bfs_regions(labels: np.ndarray) -> list:
+    """4-connected regions of equal label >= 0, the slow way (a breadth-first search)."""
+    from collections import deque
+
+    h, w = labels.shape
+    seen, out = labels < 0, []
+    for y0, x0 in np.argwhere(~seen):
+        if seen[y0, x0]:
+            continue
+        seen[y0, x0], queue, pixels = True, deque([(y0, x0)]), []
+        while queue:
+            y, x = queue.popleft()
+            pixels.append((int(y), int(x)))
+            for ny, nx in ((y - 1, x), (y + 1, x), (y, x - 1), (y, x + 1)):
+                if 0 <= ny < h and 0 <= nx < w and not seen[ny, nx] and labels[ny, nx] == labels[y0, x0]:
+                    seen[ny, nx] = True
+                    queue.append((ny, nx))
+        out.append((sorted(pixels), int(labels[y0, x0])))
+    return out
+
+
+def test_regions_are_the_connected_components_of_each_label():
+    from mmrl.verifiers.geneval import _regions
+
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        shape = (int(rng.integers(1, 40)), int(rng.integers(1, 40)))
+        labels = np.where(rng.random(shape) < 0.7, rng.integers(0, 3, shape), -1)
+        if trial % 4 == 0:  # a spiral-like maze: long thin regions
+            labels = np.where((np.indices(shape).sum(0) // 3) % 2 == 0, 1, -1)
+        ours = [(sorted(map(tuple, r.tolist())), label) for r, label in _regions(labels)]
+        assert ours == _bfs_regions(labels), trial
+        assert [r for r in ours if len(r[0]) >= 5] == [
+            (sorted(map(tuple, r.tolist())), label) for r, label in _regions(labels, min_area=5)
+        ]
