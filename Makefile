@@ -2,7 +2,7 @@
 # they create .venv, install mmrl with the pinned versions in constraints.txt, then run.
 VENV ?= .venv
 # Everything the test suite exercises; `make install EXTRAS=dev` for a lighter install.
-EXTRAS ?= dev,serve,rewards,diffusion,distributed,trackers,hub
+EXTRAS ?= dev,serve,rewards,diffusion,distributed,trackers,hub,docs
 # Test processes (pytest-xdist): the CI machine has 2 cores; each worker runs torch on its share.
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
@@ -12,12 +12,14 @@ export PYTHONSAFEPATH := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# mkdocs 1.x prints a banner about its successor on every build.
+export NO_MKDOCS_2_WARNING := 1
 # DeepSpeed installs without building its C++ ops; they are built on first use and cached here
 # (kept across runs and CI jobs, shared by every process of a run).
 export DS_BUILD_OPS := 0
 export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/mmrl/torch_extensions
 
-.PHONY: install run test wheel-check lint format bench clean
+.PHONY: install run test test-fast docs wheel-check lint format bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -31,11 +33,22 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/mmrl train --task vision_reasoning
 
-## Lint, format check, and the whole test suite (slow tests included).
+## Lint, format check, the docs build, and the whole test suite (slow tests included; the
+## slowest tests listed at the end).
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(VENV)/bin/mkdocs build --strict --quiet
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=40
+
+## The inner loop: unit and integration tests that run no training loop (a few minutes).
+test-fast: install
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow and not trains" --durations=10
+
+## The docs site (site/), its config reference regenerated from the code first.
+docs: install
+	$(PY) -m mmrl.config_reference > docs/reference/config.md
+	$(VENV)/bin/mkdocs build --strict
 
 ## Build the wheel, install it with its dependencies into a fresh venv outside the checkout, run the CLI.
 wheel-check:
@@ -54,4 +67,4 @@ bench: install
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache

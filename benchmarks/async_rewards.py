@@ -25,11 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # slow_verifier, also in workers
 
+from mmrl.compose import composition
 from mmrl.config import load_config  # noqa: E402
 from mmrl.models.base import builtin_base  # noqa: E402
 from mmrl.models.loading import load_policy  # noqa: E402
 from mmrl.train.data import PromptSampler, load_data
-from mmrl.train.grpo import composition, seed_everything  # noqa: E402
+from mmrl.train.grpo import seed_everything  # noqa: E402
 from mmrl.types import VerifyContext  # noqa: E402
 
 

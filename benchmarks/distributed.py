@@ -32,11 +32,12 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from mmrl.compose import composition
 from mmrl.config import load_config
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import load_policy
 from mmrl.train.data import PromptSampler, load_data
-from mmrl.train.grpo import composition, seed_everything
+from mmrl.train.grpo import seed_everything
 from mmrl.types import VerifyContext
 
 LAYOUTS: dict[str, list[str]] = {

@@ -10,8 +10,9 @@ The run is the trainer's own step (`make_trainee` + `grpo_step`) with `trainer.d
 what it exercises is what `mmrl train` does: the policy and the KL reference placed on the device,
 generation, rewards, the chunked log-prob pass, mixed-precision updates. It prints, per step, the
 time, the generated tokens and the loss, then the median tokens/s over the steps after the first
-(warm-up), the peak device memory (`torch.cuda.max_memory_allocated`/`reserved`; on a CPU the
-process's peak resident set) and where the parameters live and in which dtypes. It fails (exit 1)
+(warm-up) and the median decode step time (`time/decode_step_ms`), the peak device memory
+(`torch.cuda.max_memory_allocated`/`reserved`; on a CPU the process's peak resident set) and
+where the parameters live and in which dtypes. It fails (exit 1)
 when a loss is not finite, when a parameter is not on the requested device, or when the trainable
 weights did not change.
 """
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = PromptSampler(train_samples, cfg.trainer.seed)
     tokens_per_s: list[float] = []
+    decode_ms: list[float] = []
     try:
         trainee.router.warm_up()
         for step in range(args.steps):
@@ -110,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if step > 0:
                 tokens_per_s.append(tokens / wall)
+                if "time/decode_step_ms" in row:
+                    decode_ms.append(row["time/decode_step_ms"])
     finally:
         trainee.router.close()
 
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         if p.requires_grad
     )
     print(f"generated tokens/s (median of {len(tokens_per_s)} steps): {statistics.median(tokens_per_s):.1f}")
+    if decode_ms:  # the shared-prompt sampler's decode loop (rollout.decode; captured on CUDA by default)
+        print(f"decode step (median): {statistics.median(decode_ms):.2f} ms")
     if cuda:
         print(
             f"peak device memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated, "

@@ -74,6 +74,7 @@ MEGA-Bench writes no test-result files.
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import os
 import pickle
@@ -84,6 +85,7 @@ import tempfile
 import time
 import warnings
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 SEED = 20250101
@@ -100,47 +102,35 @@ PARSERS = ("answer_string", "ascii_answer_string", "verbatim_answer_string", "js
 
 # =========================================================================== case generation
 
+CASES_FILE = Path(__file__).with_name("megabench_agreement_cases.txt")
+"""The hand-written case tables: a `[TABLE]` header, then one Python literal per line."""
+
+
+def load_case_tables(path: Path = CASES_FILE) -> dict[str, list[Any]]:
+    """Every table of `path` by name, in file order (the order seeds the generated cases)."""
+    tables: dict[str, list[Any]] = {}
+    current: list[Any] | None = None
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        if line.startswith("[") and line.endswith("]") and line[1:-1].isidentifier():
+            current = tables.setdefault(line[1:-1], [])
+        elif current is None:
+            raise ValueError(f"{path}:{number}: a case before the first [TABLE] header")
+        else:
+            try:
+                current.append(ast.literal_eval(line))
+            except (ValueError, SyntaxError) as exc:
+                raise ValueError(f"{path}:{number}: not a Python literal ({exc})") from None
+    return tables
+
+
+CASE_TABLES = load_case_tables()
 LETTERS = "ABCDEFGH"
-WORDS = (
-    "the a cat dog blue red tree sea day way night light bright bat hat sat mat run fun sun "
-    "apple banana stone river moon star road home time fire water green yellow house mouse "
-    "over under happy quickly slowly bird sing ring king thing song long strong"
-).split()
-ACCENTED = ["café", "naïve", "Zürich", "São Paulo", "Ñandú", "Ångström", "crème brûlée"]
-CHINESE = [
-    "我们",
-    "喜欢",
-    "学习",
-    "中文",
-    "今天",
-    "天气",
-    "很好",
-    "北京",
-    "大学",
-    "的",
-    "是",
-    "一个",
-    "猫",
-    "狗",
-    "在",
-    "家",
-]
-CHESS = [
-    "e4",
-    "e5",
-    "Nf3",
-    "Nc6",
-    "Bb5",
-    "a6",
-    "Qxh7+",
-    "Qxf7#",
-    "O-O",
-    "O-O-O",
-    "exd5",
-    "Rxe8!",
-    "Nf3+",
-    "Kg1",
-]
+WORDS = CASE_TABLES["WORDS"]
+ACCENTED = CASE_TABLES["ACCENTED"]
+CHINESE = CASE_TABLES["CHINESE"]
+CHESS = CASE_TABLES["CHESS"]
 
 
 def _word(rng: random.Random) -> str:
@@ -232,28 +222,9 @@ def _number_text(rng: random.Random, x: float | int) -> str:
     return rng.choice(forms)()
 
 
-NUMBER_EDGES = [
-    "0", "-0", "0.0", "1", "1.0", "1.", ".5", "1e3", "1E-3", "1_000", "1,000", "1,000,000", "3.14", "\\pi",
-    "π", "2\\pi", "2π", "{π}", "3*\\pi", "\\frac{\\pi}{2}", "50%", "12.5%", "$5", "$5.00", "5°C", "30°", "¥100",
-    "x = 5", "x=5=6", "≈ 3.14", "a \\approx 2", "\\(2\\)", "\\[3\\]", "$\\frac{3}{4}$", "\\frac{1}{2}", "1/2",
-    "2**3", "2^3", "2^{10}", "\\sqrt{2}", "\\sqrt{16}", "\\dfrac{1}{3}", "\\frac12", "E", "math.pi", "math.e",
-    "True", "False", "None", "inf", "-inf", "nan", "1e400", "(1, 2)", "[1, 2]", "[2, 1]", "[1, 2, 3]", "[]",
-    "()", "[1, 'a']", "['1', '2']", "{1, 2}", "abc", "five", "", " ", "5 apples", "3 + 4", "10 - 2 * 3",
-    "7 // 2", "7 % 3", "1 < 2", "-(3)", "~5", "3 & 1", "2 << 3", "\\boxed{5}", "\\boxed{\\frac{1}{2}}",
-    "\\boxed{3} then \\boxed{4}", "\\boxed{{1}{2}}", "\\boxed{\\frac{\\sqrt{2}}{2}}", "\\text{5}", "5\\%",
-    "\\$5", "3.0000001", "2.99", "3.03", "1j", "1+2j", "0x10", "0b101", "1e-10", "100000000000000000000",
-    "\\infty", "x", "\\alpha", "ς", "√2", "½", "٣", "３", "1 2", "1\n2", "答案是 5",
-]  # fmt: skip
+NUMBER_EDGES = CASE_TABLES["NUMBER_EDGES"]
 
-LIST_EDGES = [
-    "['a', 'b']", "[a, b]", "a, b", "a,b", " a , b ", "a,b,,c", "{'a', 'b'}", "('a', 'b')", "('a',)", "{'a': 1, 'b': 2}",
-    "{'a': [1, 2]}", "[[1, 2], [3]]", "[(1, 2), (3, 4)]", "[('a', 'b'), ('c', 'd')]", "'abc'", '"abc"', "None", "[]",
-    "()", "{}", "", " ", "[1, 2, 3]", "[1, 2, 2]", "[3, 2, 1]", "1", "1.5", "-2", "True", "[1, 'a']", "['A', 'b']",
-    "['a', 'B']", "[a, b", "(a, b", "{a}", "{a, b}", "[ ]", "[None]", "[[]]", "['a']", "a", "A", "b, a", "B, A",
-    "[\"A\", \"b\"]", "[1.0, 2.0]", "['1', '2']", "1, 2", "[1,2]", "(1,2)", "{1: 'a'}", "[{'a': 1}]", "a\nb",
-    "['a b', 'c']", "['ab', 'c']", "[' a', 'b ']", "x y z", "[e4, Nf3]", "e4, Nf3#", "['Qxf7#', 'O-O']",
-    "['O-O', 'Qxf7']", "Nf3+, e4", "Nf3, e4", "[1, 2, 3, 4]", "[0.1, 0.2, 0.3, 0.4]",
-]  # fmt: skip
+LIST_EDGES = CASE_TABLES["LIST_EDGES"]
 
 
 def _item(rng: random.Random) -> Any:
@@ -441,14 +412,7 @@ def _chinese(rng: random.Random) -> str:
     return text
 
 
-LATEX_EDGES = [
-    "\\frac{1}{2}", "0.5", "1/2", "\\dfrac{1}{2}", "x^2", "x \\cdot x", "x*x", "x^{2}", "2x", "x+x", "\\sqrt{4}", "2",
-    "a+b", "b+a", "\\alpha", "α", "\\alpha + 1", "α+1", "\\beta", "β", "\\bar{x}", "\\overline{x}", "x̄", "ā",
-    "\\overline{AB}_1", "\\begin{pmatrix}1\\end{pmatrix}", "\\(x\\)", "\\[x\\]", "$x$", "\\frac{", "", " ", "ς",
-    "Ρ", "\\sin(x)", "\\sin x", "\\cos^2 x + \\sin^2 x", "1", "\\pi", "π", "3.14159", "\\infty", "x = 2", "2 = x",
-    "x < 3", "3 > x", "\\{1, 2\\}", "(1, 2)", "\\text{yes}", "yes", "Yes", "\\mathrm{m}", "10^{3}", "1000",
-    "\\frac{x}{y}", "x/y", "\\log(x)", "\\ln x", "e^{i\\pi}", "-1", "\\left(x\\right)", "x",
-]  # fmt: skip
+LATEX_EDGES = CASE_TABLES["LATEX_EDGES"]
 
 
 def _latex(rng: random.Random) -> str:
@@ -494,16 +458,7 @@ def _text_with_latex(rng: random.Random) -> str:
 
 # --- symbolic planning: a blocks world (MEGA-Bench's planning tasks are PDDL of this shape)
 
-BW_ACTIONS = {
-    "pickup": (["ob"], ["(clear ?ob)", "(on-table ?ob)", "(arm-empty)"],
-               ["(holding ?ob)", "(not (clear ?ob))", "(not (on-table ?ob))", "(not (arm-empty))"]),
-    "putdown": (["ob"], ["(holding ?ob)"], ["(clear ?ob)", "(arm-empty)", "(on-table ?ob)", "(not (holding ?ob))"]),
-    "stack": (["ob", "underob"], ["(clear ?underob)", "(holding ?ob)"],
-              ["(arm-empty)", "(clear ?ob)", "(on ?ob ?underob)", "(not (clear ?underob))", "(not (holding ?ob))"]),
-    "unstack": (["ob", "underob"], ["(on ?ob ?underob)", "(clear ?ob)", "(arm-empty)"],
-                ["(holding ?ob)", "(clear ?underob)", "(not (on ?ob ?underob))", "(not (clear ?ob))",
-                 "(not (arm-empty))"]),
-}  # fmt: skip
+BW_ACTIONS = dict(CASE_TABLES["BW_ACTIONS"])
 
 
 def _domain_pddl(variant: str) -> str:
@@ -628,13 +583,7 @@ def _planning_case(rng: random.Random) -> tuple[Any, dict]:
 
 # --- constrained generation
 
-POEM_WORDS = (
-    "cat hat bat sat mat day way say play stay night light bright sight tree free sea see "
-    "love above dove heart apart start moon soon june rain again plain the a of and to in "
-    "gentle river morning flower silver garden beautiful yesterday remember forever "
-    "walked jumped played dreams stars eyes wishes unhappy untold 'neath o'er doggo fiery "
-    "cat's dog's zzxq blorf"
-).split()
+POEM_WORDS = CASE_TABLES["POEM_WORDS"]
 
 
 def _poem(rng: random.Random, lines: int, first_letters: str | None = None) -> str:
@@ -690,29 +639,7 @@ def _constraint_case(rng: random.Random) -> tuple[str, dict]:
 
 # --- program judge
 
-PROGRAMS = [
-    "x = int(input())\nprint(x * 2)",
-    "a = input()\nb = input()\nprint(int(a) + int(b))",
-    "print(input()[::-1])",
-    "def f(n):\n    return n * n\nprint(f(int(input())))",
-    "def g(n):\n    return n + 1\ndef f(n):\n    return g(n) * 2\nprint(f(int(input())))",
-    "def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\nprint(fact(int(input())))",
-    'def fact(n):\n    return 1 if n < 2 else n * fact(n - 1)\nif __name__ == "__main__":\n    print(fact(int(input())))',
-    "import math\nprint(math.isqrt(int(input())))",
-    "n = int(input())\nprint(sum(range(n + 1)))\n",
-    "print('  padded  ')",
-    "print(1)\nprint(2)",
-    "raise ValueError('bad')",
-    "x = input()\ny = input()\nprint(x)",
-    "import sys\nsys.stdout.write(input().upper())",
-    "print(sum(int(t) for t in input().split()))",
-    "s = [int(input()) for _ in range(3)]\nprint(max(s))",
-    "print(undefined_name)",
-    "exit(0)",
-    "print('a', end='')\nprint('b')",
-    "x = int(input())\nprint(x // 0)",
-    "for i in range(int(input())):\n    print(i)",
-]
+PROGRAMS = CASE_TABLES["PROGRAMS"]
 
 
 def _program_case(rng: random.Random) -> tuple[Any, dict]:
@@ -1147,140 +1074,11 @@ GENERATORS: dict[str, tuple[Any, int]] = {
 }
 
 # Hand-picked cases: (metric, response, reference) -- the quirk classes of mmrl/eval/megabench.py
-EDGE_CASES: list[tuple[str, Any, Any]] = [
-    ("exact_str_match", "Because", "B"), ("exact_str_match", "(B) blue", "B"), ("exact_str_match", "B. x", "B"),
-    ("exact_str_match", "b", "B"), ("exact_str_match", None, "None"), ("exact_str_match", None, "N"),
-    ("exact_str_match", 1, "1"), ("exact_str_match", ["B"], "B"), ("exact_str_match", "", ""), ("exact_str_match", "(", "B"),
-    ("exact_str_match", "'B'", "B"), ("exact_str_match", "B", "'B'"), ("exact_str_match", "1.", "1"),
-    ("simple_str_match", "because", "b"), ("simple_str_match", "New-York", "new york"), ("simple_str_match", None, "none"),
-    ("simple_str_match", "a.b.c", "ABC"), ("simple_str_match", {"a": 1}, "{'a':1}"),
-    ("exact_str_match_case_insensitive", 5, "5"), ("exact_str_match_case_insensitive", "BECAUSE", "b"),
-    ("exact_str_match_case_insensitive", "x", 5), ("exact_str_match_case_insensitive", None, "none"),
-    ("code_result_exact_str_match", "42", "```\n42\n```"), ("code_result_exact_str_match", "42", "```output\n42\n```"),
-    ("code_result_exact_str_match", "42", "42"), ("code_result_exact_str_match", "", "```\n\n```"),
-    ("normalized_similarity_damerau_levenshtein", None, "x"), ("normalized_similarity_damerau_levenshtein", "", ""),
-    ("normalized_similarity_damerau_levenshtein", "ab", "ba"), ("normalized_similarity_damerau_levenshtein", "x", None),
-    ("near_str_match", "The Café", "cafe"), ("near_str_match", "a cat", "the cat"), ("near_str_match", "kitten", "sitting"),
-    ("near_str_match", "", ""), ("near_str_match", None, "x"),
-    ("multi_ref_phrase", "New York", "['new york', 'NYC']"), ("multi_ref_phrase", "nyc", "new york，nyc"),
-    ("multi_ref_phrase", "1", "[1, 2]"), ("multi_ref_phrase", "x", "None"), ("multi_ref_phrase", None, "none, x"),
-    ("number_rel_diff_ratio", True, "1"), ("number_rel_diff_ratio", "0", "0"), ("number_rel_diff_ratio", 5, "10"),
-    ("number_rel_diff_ratio", "15", "10"), ("number_rel_diff_ratio", "30", "10"), ("number_rel_diff_ratio", "abc", "1"),
-    ("number_rel_diff_ratio", "1", "abc"), ("number_rel_diff_ratio", "1+1j", "1"), ("number_rel_diff_ratio", "-5", "-10"),
-    ("positive_int_match", 3, "3"), ("positive_int_match", "3", "3"), ("positive_int_match", "0", "0"),
-    ("positive_int_match", "-1", "0"), ("positive_int_match", "3", ""), ("positive_int_match", "3", "3.0"),
-    ("positive_int_match", "3", "abc"), ("positive_int_match", "True", "1"), ("positive_int_match", "abc", "3"),
-    ("normalized_rmse", "0.05", "0"), ("normalized_rmse", "1", "0"), ("normalized_rmse", "abc", "0"),
-    ("normalized_rmse", "[1]", "[1]"), ("normalized_rmse", "1j", "0"),
-    ("angle_seq_float_rmse", "[10, 20]", "[10, 25]"), ("angle_seq_float_rmse", "[]", "[]"),
-    ("angle_seq_float_rmse", "[1, 'a']", "[1, 2]"), ("angle_seq_float_rmse", "a, b", "[1, 2]"),
-    ("angle_seq_float_rmse", "[1j, 2]", "[1, 2]"), ("angle_seq_float_rmse", "[1e400, 2]", "[1, 2]"),
-    ("general_single_numerical_match", "3\\pi", "9.42"), ("general_single_numerical_match", "True", "1"),
-    ("general_single_numerical_match", "(1, 2)", "(1, 2)"), ("general_single_numerical_match", "[2, 1]", "[1, 2]"),
-    ("general_single_numerical_match", "0.001", "0"), ("general_single_numerical_match", "0", "0"),
-    ("general_single_numerical_match", "50%", "0.5"), ("general_single_numerical_match", "x = 5", "5"),
-    ("general_single_numerical_match", "1,000", "1000"), ("general_single_numerical_match", "\\frac{1}{2}", "0.5"),
-    ("general_single_numerical_match", "2**3", "8"), ("general_single_numerical_match", "2^3", "8"),
-    ("general_single_numerical_match", "E", "2.718"), ("general_single_numerical_match", "math.pi", "3.14159"),
-    ("general_single_numerical_match", "five", "5"), ("general_single_numerical_match", "Five", "five"),
-    ("general_single_numerical_match", 5, "5"), ("general_single_numerical_match", None, "None"),
-    ("general_single_numerical_match", "nan", "nan"), ("general_single_numerical_match", "inf", "inf"),
-    ("general_single_numerical_match", "$5", "5"), ("general_single_numerical_match", "5°C", "5"),
-    ("boxed_single_numerical_match", "\\boxed{3} then \\boxed{4}", "4"), ("boxed_single_numerical_match", "\\boxed{\\frac{1}{2}}", "0.5"),
-    ("boxed_single_numerical_match", "\\boxed{{1}{2}}", "12"), ("boxed_single_numerical_match", "no box 5", "5"),
-    ("latex_expr_equality", "\\frac{1}{2}", "0.5"), ("latex_expr_equality", "x^2", "x \\cdot x"),
-    ("latex_expr_equality", "α", "\\alpha"), ("latex_expr_equality", "x̄", "\\bar{x}"), ("latex_expr_equality", "ς", "x"),
-    ("latex_expr_equality", "\\frac{", "\\frac{"), ("latex_expr_equality", None, "x"), ("latex_expr_equality", "", ""),
-    ("text_with_latex_expr_equality", "The answer is $x^2$", "the answer is $x \\cdot x$"),
-    ("text_with_latex_expr_equality", "no latex", "No Latex"), ("text_with_latex_expr_equality", "$1,000$", "$1000$"),
-    ("set_equality", "{'a': 1, 'b': 2}", "['a', 'b']"), ("set_equality", {"a": 1}, "['a']"), ("set_equality", "None", "[]"),
-    ("set_equality", "None", "None"), ("set_equality", "[[1, 2], [3]]", "[]"), ("set_equality", "'abc'", "['a', 'b', 'c']"),
-    ("set_equality", "[a, b", "[]"), ("set_equality", "1", "[1]"), ("set_equality", ["a", "b"], "b, a"),
-    ("set_equality", None, "[]"), ("set_equality", 3, "[3]"),
-    ("set_equality_case_insensitive", "[1, 2]", "[1, 2]"), ("set_equality_case_insensitive", "A, b", "a, B"),
-    ("set_equality_case_insensitive", "None", "None"),
-    ("str_set_equality_line_break", "a\\nb", "b\na"), ("str_set_equality_line_break", ["a"], "a"),
-    ("str_set_equality_comma", "None", "none"), ("str_set_equality_comma", "[1, 'A']", "[1, 'a']"),
-    ("jaccard_index", None, "[1]"), ("jaccard_index", "[]", "[]"), ("jaccard_index", "a, b", "b, c"),
-    ("jaccard_index_case_insensitive", "[]", "[]"), ("jaccard_index_case_insensitive", "[1, 'A']", "['a', '1']"),
-    ("jaccard_index_case_insensitive", "[('A B', 'c')]", "[('ab', 'C')]"), ("jaccard_index_case_insensitive", "[1]", "[2]"),
-    ("jaccard_index_case_insensitive", "[(1, 2)]", "[('1', '2')]"), ("jaccard_index_case_insensitive", None, "[1]"),
-    ("set_precision", "[]", "[1]"), ("set_precision", "a, b", "a"), ("set_precision", None, "a"),
-    ("chess_move_list_jaccard_index", "Nf3+, e4", "Nf3, e4"), ("chess_move_list_jaccard_index", "Qxf7#", "Qxf7"),
-    ("chess_move_list_jaccard_index", None, "e4"), ("chess_move_list_jaccard_index", "Rxe8!", "Rxe8"),
-    ("sequence_equality", "[1, 2]", "1, 2"), ("sequence_equality", ["a", "b"], "['a', 'b']"), ("sequence_equality", None, "None"),
-    ("sequence_equality_case_insensitive", "[A, b]", "['a', 'B']"), ("sequence_equality_case_insensitive", "[1, 2]", "['1', '2']"),
-    ("sequence_accuracy_case_insensitive", "[]", "[]"), ("sequence_accuracy_case_insensitive", "[1, 2]", "['a', 'b']"),
-    ("sequence_accuracy_case_insensitive", "[A, b, c]", "[a, B, d]"), ("sequence_accuracy_case_insensitive", "[1, 2]", "[1, 3]"),
-    ("longest_common_list_prefix_ratio", "[]", "[]"), ("longest_common_list_prefix_ratio", "[1, 2, 4]", "[1, 2, 3]"),
-    ("longest_common_list_prefix_ratio", "a, b", "a, c"),
-    ("dict_equality", {"a": "1"}, '{"a": "1"}'), ("dict_equality", "{}", "{}"), ("dict_equality", {"a": 1}, '{"a": "1"}'),
-    ("dict_equality", "x", "x"), ("dict_equality", {1: "x"}, '{"1": "x"}'),
-    ("dict_precision", {}, '{"a": 1}'), ("dict_precision", {"a": "B", "b": "x"}, '{"a": "B"}'),
-    ("dict_precision", {"a": "Because"}, '{"a": "B"}'),
-    ("dict_exact_str_match_agg_recall", {}, "{}"), ("dict_exact_str_match_agg_recall", {"a": None}, '{"a": "None"}'),
-    ("dict_exact_str_match_agg_recall", "x", '{"a": 1}'),
-    ("dict_set_equality_agg_jaccard", {}, {}), ("dict_set_equality_agg_jaccard", {"a": "x, y"}, {"a": ["y", "x"]}),
-    ("dict_set_equality_agg_jaccard", {"a": "x", "b": "{[1, 2]}"}, '{"a": "x", "b": [[1, 2]]}'),
-    ("dict_equality", "{[1, 2]}", "{}"), ("dict_exact_str_match_agg_recall", {"a": "{{'b': 1}}"}, '{"a": "x"}'),
-    ("dict_jaccard_agg_jaccard", {}, {}), ("dict_jaccard_agg_jaccard", {"a": [1, 2]}, {"a": [2, 3], "b": [1]}),
-    ("dict_nbbox_iou_tuple_agg_jaccard", {}, {}), ("dict_nbbox_iou_tuple_agg_jaccard", {"a": "[0, 0, 1, 1]"}, {"a": [[0, 0, 1, 1]]}),
-    ("nbbox_iou_tuple", "[0, 0, 1, 1]", "[0, 0, 1, 1]"), ("nbbox_iou_tuple", "[]", "[]"), ("nbbox_iou_tuple", "[0, 0, 0, 0]", "[0, 0, 0, 0]"),
-    ("nbbox_iou_tuple", [[0, 0, 1, 1]], "[[0, 0, 0.5, 0.5]]"), ("nbbox_iou_tuple", "abc", "[0, 0, 1, 1]"),
-    ("nbbox_iou_tuple", [["a", 0, 1, 1]], "[0, 0, 1, 1]"), ("nbbox_iou_tuple", "[1, 1, 0, 0]", "[0, 0, 1, 1]"),
-    ("nbbox_iou_single", "[0, 0, 1, 1]", "[0, 0, 0.5, 1]"), ("nbbox_iou_single", "abc", "[0, 0, 1, 1]"),
-    ("nbbox_iou_single", "[0, 0, 1", "[0, 0, 1, 1]"), ("nbbox_iou_single", "[0, 0]", "[0, 0, 1, 1]"),
-    ("nbbox_iou_sequence", "[]", "[]"), ("nbbox_iou_sequence", "[[0, 0, 1, 1]]", "[[0, 0, 1, 1]]"),
-    ("nbbox_iou_sequence", None, "[]"), ("nbbox_iou_sequence", 5, "[]"), ("nbbox_iou_sequence", [], []),
-    ("xml_nbbox_iou_single", "<box>0, 0, 1, 1</box>", "<box>0, 0, 1, 1</box>"), ("xml_nbbox_iou_single", "", "<box>0, 0, 1, 1</box>"),
-    ("xml_nbbox_iou_single", [0, 0, 1, 1], "<box>0, 0, 1, 1</box>"), ("xml_nbbox_iou_single", "<box>0, 0, 1, 1</box>", ""),
-    ("xml_norm_point_distance", "<point>0.5, 0.5</point>", "<point>0.5, 0.5</point>"),
-    ("xml_norm_point_distance", "<point>1.5, 0.5</point>", "<point>0.5, 0.5</point>"),
-    ("xml_norm_point_distance", [0.1, 0.1], (0.1, 0.1)), ("xml_norm_point_distance", None, "<point>0.5, 0.5</point>"),
-    ("sequence_coords_similarity", "[[0.1, 0.1]]", "[[0.1, 0.1]]"), ("sequence_coords_similarity", "[]", "[]"),
-    ("sequence_coords_similarity", "[[0.1, 0.1], [0.2]]", "[[0.1, 0.1]]"), ("sequence_coords_similarity", None, "[[0.1, 0.1]]"),
-    ("bleu", "the cat sat on the mat", "the cat"), ("bleu", "the cat", "the cat sat on the mat"), ("bleu", "a b", "a b"),
-    ("bleu", "x y z w", "a b c d"), ("bleu", ["a dog", "the cat"], ["the cat", "a dog"]), ("bleu", "", ""),
-    ("bleu", ["a b c d"], ["a b c d", "e f g h"]), ("bleu", None, "x"), ("bleu", "a b c d e", "a b c d e"),
-    ("gleu_cn", "我们喜欢学习", "我们喜欢学习"), ("gleu_cn", "", ""), ("gleu_cn", "我们", "你们"), ("gleu_cn", None, "我们"),
-]  # fmt: skip
+EDGE_CASES = CASE_TABLES["EDGE_CASES"]
 
-EDGE_CONTEXT_CASES: list[tuple[str, Any, dict]] = [
-    ("xml_norm_point_in_bbox", "<point>0.3, 0.3</point>", {"bounding_boxes": ["[0.1, 0.1, 0.5, 0.5]"]}),
-    ("xml_norm_point_in_bbox", "<point>0.7, 0.3</point>", {"bounding_boxes": ["[0.1, 0.1, 0.5, 0.5]", "(0.6, 0.2, 0.9, 0.4)"]}),
-    ("xml_norm_point_in_bbox", [0.3, 0.3], {"bounding_boxes": ["[0.1, 0.1, 0.5, 0.5]"]}),
-    ("xml_norm_point_in_bbox", [0.3], {"bounding_boxes": ["[0.1, 0.1, 0.5, 0.5]"]}),
-    ("xml_norm_point_in_bbox", "no point", {"bounding_boxes": ["[0.1, 0.1, 0.5, 0.5]"]}),
-    ("constrained_generation", "cat\nhat", {"rhyming_scheme": "AA"}),
-    ("constrained_generation", "cat\ndog", {"rhyming_scheme": "AA"}),
-    ("constrained_generation", "one two three", {"length": "<4"}),
-    ("constrained_generation", "one two three", {"length": "=3"}),
-    ("constrained_generation", "one two three", {"length": ""}),
-    ("constrained_generation", "apple\nbanana", {"acrostic": "ab"}),
-    ("constrained_generation", "the cat sat on the mat", {"syllables": "6"}),
-    ("constrained_generation", "the cat sat on the mat", {"poetry_meter": "iambic"}),
-    ("program_judge", "print(int(input()) * 2)", {"test_case": [{"input": ["3"], "expected": "6"}]}),
-    ("program_judge", "print(int(input()) * 2)", {"test_case": {"input": ["4"], "expected": "8\n"}}),
-    ("program_judge", "print(int(input()) * 2)", {"test_case": []}),
-    ("program_judge", "def g():\n    return 1\ndef f():\n    return g()\nprint(f())", {"test_case": [{"input": [], "expected": "1"}]}),
-]  # fmt: skip
+EDGE_CONTEXT_CASES = CASE_TABLES["EDGE_CONTEXT_CASES"]
 
-PARSER_EDGES = [
-    "**Answer:** B", "**Answer: B**", "*Answer: B*", "ANSWER: B", "answer: a\nAnswer: C", "Answer: B\n\nBecause it is blue",
-    "Answer: 'B'", 'Answer: "B"', "Answer: {'b': 1}", "Answer: [1, 2]", "Answer: []", "Answer: {}", "Answer: [a, b]",
-    "Answer: B\nC", "Answer:\nB", "Answer:B", "The answer is B", "B", "", " ", "Answer: ", "Answer: ```\nB\n```",
-    "```python\nprint(1)\n```", "Answer: (B)", "Answer: B.", "Answer: B, C", "Answer: 12-3_x", 'Answer: {"a": 1,\n "b": 2}',
-    'Answer: {"a": 1}\n{"b": 2}', 'Answer:\n{"a": 1}', '{"a": "{\\"b\\": 1}"}', "Answer: {1: 'x', 2: 'y'}",
-    "```json\n{\"a\": [1, 2]}\n```", "{'a': 'it's'}", "{\"a\": \"x\\\"y\"}", "[{\"a\": 1}, {\"b\": 2}]", "{\"a\": 1} {\"b\": 2}",
-    "Answer: {'a': None, 'b': True}", "Answer: {\"a\": null, \"b\": true}", "Answer: {'a': \"'quoted'\"}",
-    "Answer: {\"a\": \"'quoted'\"}", "Answer: {\"a\": \"[1, 2]\"}", "Answer: {\"a\": 1.0}", "Answer: [1,\n2]",
-    "Answer: {\"a\": [\"x\", {\"y\": 1}]}", "Answer: {a: 1}", "{", "}", "[", "Answer: 'unterminated", "Answer: '''x'''",
-    "Answer: **B**", "Answer: B **bold**", "**Answer:**\nB", "Answer:   \n\n  B  \n\n", "answer: b", "The Answer: B",
-    "Reasoning...\nAnswer: X\nMore text", "Answer: x\n\n\n\ny", "   ascii\n  art  \n\n\n   ", "Answer:\n  /\\\n /  \\\n",
-    "```\n  /\\\n /  \\\n```", "Answer: ```text\n a\n\n b \n```", "Answer: 1e3", "Answer: \"\"", "Answer: ''",
-    "Answer: \\boxed{5}", "Answer: $x^2$", "Answer: (1, 2)", "Answer: {1, 2}", "Answer: set()", "Answer: None",
-    "Answer: {[1, 2]}", "{'a': {[1]}}", "Answer: {'a', 'b', 'c'}",
-]  # fmt: skip
+PARSER_EDGES = CASE_TABLES["PARSER_EDGES"]
 
 
 def _parser_response(rng: random.Random, parser: str, answer: dict) -> str:

@@ -139,15 +139,18 @@ def check_same_prompts(policy, samples: list[Sample], dataset) -> None:
             raise RuntimeError(f"TRL's prompt for sample {samples[i].id} differs from mmrl's")
 
 
-def run_trl(cfg: Config, base, samples: list[Sample], dataset, steps: int) -> list[tuple[float, float]]:
+def run_trl(
+    cfg: Config, base, samples: list[Sample], dataset, steps: int, policy=None, bf16: bool = False
+) -> list[tuple[float, float]]:
     """(seconds, generated tokens) of each timed step (one generation and its mini-batch
-    updates), after one untimed warm-up step."""
+    updates), after one untimed warm-up step. `policy`: a loaded policy to train instead of
+    `base`'s; `bf16`: TRL's mixed precision (as mmrl's `model.dtype=bfloat16`)."""
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     B, G = cfg.trainer.prompts_per_step, cfg.rollout.group_size
     mb = cfg.trainer.mini_batches
-    policy = load_policy(base)
+    policy = policy if policy is not None else load_policy(base)
     router = Router(num_workers=0, time_limit_s=cfg.reward.time_limit_s)
     tokens: list[int] = []
 
@@ -194,7 +197,7 @@ def run_trl(cfg: Config, base, samples: list[Sample], dataset, steps: int) -> li
         max_steps=(steps + 1) * mb,
         gradient_checkpointing=False,
         use_cpu=not torch.cuda.is_available(),
-        bf16=False,
+        bf16=bf16,
         seed=cfg.trainer.seed,
         report_to="none",
         save_strategy="no",

@@ -17,7 +17,7 @@ import json
 import numpy as np
 from PIL import ImageDraw, ImageFont
 
-from mmrl.datasets.procedural import Drawn, register_kind
+from mmrl.datasets.kinds import Drawn, register_kind
 from mmrl.datasets.vision_reasoning import COLOURS, SHAPES, _background, _draw_shape, _jitter
 
 WORDS = (

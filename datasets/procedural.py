@@ -1,69 +1,39 @@
 """Procedural data: kinds of drawn images with questions, turned into samples.
 
-A *kind* is a function `(rng, image_size) -> Drawn` registered with `register_kind`. The built-in
-kinds live in `vision_reasoning.py` (numeric questions, math verifier) and `perception.py`
-(detection, grounding, OCR, counting). `make_samples` is deterministic in its arguments; the
+A *kind* is a function `(rng, image_size) -> Drawn` registered with `register_kind`
+(`mmrl.datasets.kinds`). The built-in kinds live in `vision_reasoning.py` (numeric questions,
+math verifier) and `perception.py` (detection, grounding, OCR, counting). `make_samples` is deterministic in its arguments; the
 `train`, `validation` and `heldout` splits draw from independent random streams.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from mmrl.datasets import perception, vision_reasoning  # noqa: F401 - the built-in kinds register
+from mmrl.datasets.kinds import Drawn, Kind, register_kind, registered_kinds
 from mmrl.types import RewardSpec, Sample
+
+__all__ = [
+    "SPLITS",
+    "Drawn",
+    "Kind",
+    "image_digest",
+    "kinds",
+    "make_samples",
+    "reference_response",
+    "register_kind",
+]
 
 SPLITS = {"train": 0, "heldout": 1, "validation": 2}
 
 
-@dataclass
-class Drawn:
-    """One generated example."""
-
-    image: Image.Image
-    question: str
-    ground_truth: Any
-    reference: str
-    """An ideal response (the supervised warm-up of the built-in base trains on it)."""
-    verifier: str = "math"
-    verifier_params: dict[str, Any] = field(default_factory=dict)
-    ability: str = "math"
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Kind:
-    name: str
-    task: str
-    """Task family, the first part of the data source (`vision_reasoning/colour_code`)."""
-    stream: int
-    """Fixed random-stream id, so adding kinds never changes another kind's data."""
-    draw: Callable[[np.random.Generator, int], Drawn]
-
-
-_KINDS: dict[str, Kind] = {}
-
-
-def register_kind(name: str, task: str, stream: int):
-    def wrap(fn: Callable[[np.random.Generator, int], Drawn]):
-        if name in _KINDS or any(k.stream == stream for k in _KINDS.values()):
-            raise ValueError(f"kind {name!r} or stream {stream} already registered")
-        _KINDS[name] = Kind(name, task, stream, fn)
-        return fn
-
-    return wrap
-
-
 def kinds() -> dict[str, Kind]:
     """Every registered kind by name."""
-    from mmrl.datasets import perception, vision_reasoning  # noqa: F401 - registers the kinds
-
-    return dict(_KINDS)
+    return registered_kinds()
 
 
 def make_samples(

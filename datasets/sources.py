@@ -10,7 +10,12 @@
     parquet@train?data_files=/data/train-*.parquet    any `load_dataset` builder with its files
 
 The form is `SOURCE[@SPLIT][?key=value&...]` (EasyR1's `name@split` habit); an existing local
-path is always taken whole. Datasets are read through the `datasets` library (the `hub` extra),
+path is always taken whole. A name that looks like a path (absolute, `./`, `~`, a `.jsonl` /
+`.json` / `.parquet` suffix, more than one `/`, or a first part that is a local folder) is a local
+path even when it does not exist: a mistyped file is reported as a missing file, naming the
+folder a relative path was resolved from, never looked up on the hub. Only other names are hub
+ids, and the hub is asked about them once, with a short time-out (`mmrl.hub`), before
+`load_dataset` would retry it. Datasets are read through the `datasets` library (the `hub` extra),
 images kept as their encoded bytes (never decoded into memory), then every row is mapped onto
 mmrl's sample format from its column layout (`LAYOUTS`) and validated like any sample file:
 
@@ -34,6 +39,7 @@ at once with a message naming it.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -42,6 +48,8 @@ from urllib.parse import parse_qsl
 
 from mmrl.datasets.schema import MAX_PROMPT_CHARS, SampleError, sample_from_record
 from mmrl.types import Sample
+
+log = logging.getLogger(__name__)
 
 LAYOUTS = ("mmrl", "vtriune", "verl", "easyr1")
 """Column layouts rows are mapped from (see the module docstring)."""
@@ -141,23 +149,93 @@ def parse_source(entry: str) -> SourceSpec:
     return spec
 
 
+def looks_local(path: str) -> bool:
+    """Whether a source name is meant as a local path, existing or not (module docstring)."""
+    if path.startswith(("/", ".", "~")) or "\\" in path:
+        return True
+    if Path(path).suffix.lower() in SAMPLE_FILE_SUFFIXES:
+        return True
+    parts = path.split("/")
+    return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).expanduser().is_dir())
+
+
+def local_path(path: str) -> Path | None:
+    """The local file or folder a source's path names, or None for a hub id or a builder name."""
+    candidate = Path(path).expanduser()
+    if candidate.exists():
+        return candidate
+    if path in BUILDERS or not looks_local(path):
+        return None
+    return candidate
+
+
+def missing_path_error(entry: str, path: str) -> FileNotFoundError:
+    """A local source that does not exist: the path, and where a relative one was looked for."""
+    where = Path(path).expanduser()
+    resolved = where if where.is_absolute() else Path.cwd() / where
+    folder = (
+        "" if where.is_absolute() else f" (a relative path, resolved from the current folder {Path.cwd()})"
+    )
+    return FileNotFoundError(f"data source {entry!r}: no such file or folder: {resolved}{folder}")
+
+
+@dataclass
+class LoadedSource:
+    """One entry's samples and how they were read (logged, and kept in the run's summary)."""
+
+    entry: str
+    """The entry as written in `data.train_files` / `data.heldout_files`."""
+    samples: list[Sample]
+    """Its validated samples."""
+    layout: str
+    """The column layout the rows were mapped from (`LAYOUTS`)."""
+    origin: str
+    """`file`, `folder` (a local dataset folder) or `hub`."""
+
+    def summary(self) -> dict[str, Any]:
+        return {"entry": self.entry, "rows": len(self.samples), "layout": self.layout, "origin": self.origin}
+
+
 def read_source(
     entry: str, *, check_images: bool = True, max_prompt_chars: int = MAX_PROMPT_CHARS
 ) -> list[Sample]:
     """Every sample of one `data.train_files` entry, validated (see the module docstring).
 
     Errors name the entry and, for a bad row, the row, its id and the field (`SampleError`);
-    an unknown layout names the columns; an unreachable dataset names it and the cause."""
+    an unknown layout names the columns; a local path that does not exist names it and the
+    folder it was resolved from; an unreachable dataset names it and the cause."""
+    return load_source(entry, check_images=check_images, max_prompt_chars=max_prompt_chars).samples
+
+
+def load_source(
+    entry: str, *, check_images: bool = True, max_prompt_chars: int = MAX_PROMPT_CHARS
+) -> LoadedSource:
+    """`read_source` with the layout it detected and where the rows came from; logs both and
+    the row count."""
     spec = parse_source(entry)
-    local = Path(spec.path)
-    if local.is_file() and local.suffix.lower() in SAMPLE_FILE_SUFFIXES and not spec.data_files:
-        return _read_sample_file(entry, spec, local, check_images, max_prompt_chars)
-    rows, columns = _open_dataset(entry, spec)
-    base_dir = local.resolve() if local.is_dir() else None
-    return rows_to_samples(entry, spec, rows, columns, base_dir, check_images, max_prompt_chars)
+    local = local_path(spec.path)
+    if local is not None and not local.exists():
+        raise missing_path_error(entry, spec.path)
+    if (
+        local is not None
+        and local.is_file()
+        and local.suffix.lower() in SAMPLE_FILE_SUFFIXES
+        and not spec.data_files
+    ):
+        samples, layout = _read_sample_file(entry, spec, local, check_images, max_prompt_chars)
+        origin = "file"
+    else:
+        rows, columns = _open_dataset(entry, spec)
+        base_dir = local.resolve() if local is not None and local.is_dir() else None
+        samples, layout = _rows_to_samples(
+            entry, spec, rows, columns, base_dir, check_images, max_prompt_chars
+        )
+        origin = "folder" if local is not None else "hub"
+    log.info("data source %s: %d samples, %s layout (%s)", entry, len(samples), layout, origin)
+    return LoadedSource(entry, samples, layout, origin)
 
 
-def _read_sample_file(entry, spec, path: Path, check_images, max_prompt_chars) -> list[Sample]:
+def _read_sample_file(entry, spec, path: Path, check_images, max_prompt_chars) -> tuple[list[Sample], str]:
     """A local `.jsonl` / `.json` / `.parquet` file: mmrl's own reader for mmrl samples (the
     default, also for a file whose first record fits no layout: its errors name the field), the
     converters' row mapping for V-Triune, veRL and EasyR1 files."""
@@ -169,10 +247,10 @@ def _read_sample_file(entry, spec, path: Path, check_images, max_prompt_chars) -
         first = _first_record(path)
         layout = (detect_layout(first, spec) if first is not None else None) or "mmrl"
     if layout == "mmrl":
-        return read_samples(path, check_images=check_images, max_prompt_chars=max_prompt_chars)
+        return read_samples(path, check_images=check_images, max_prompt_chars=max_prompt_chars), layout
     pairs = converters.read_records(path)
     wheres = [where for where, _ in pairs]
-    return rows_to_samples(
+    return _rows_to_samples(
         entry, spec, (record for _, record in pairs), None, path.resolve().parent,
         check_images, max_prompt_chars, layout=layout, where_of=wheres.__getitem__, source_file=str(path),
     )  # fmt: skip
@@ -239,6 +317,8 @@ def _open_dataset(entry: str, spec: SourceSpec) -> tuple[Iterator[dict[str, Any]
                     f"data source {entry!r}: {spec.path} is neither a local file or folder nor a hub dataset id "
                     "(org/name)"
                 )
+            if not local.exists() and spec.path not in BUILDERS:
+                _ask_hub_first(entry, spec)
             ds = datasets.load_dataset(spec.path, **kwargs)
     except (ValueError, FileNotFoundError) as exc:
         if str(exc).startswith("data source"):
@@ -251,6 +331,27 @@ def _open_dataset(entry: str, spec: SourceSpec) -> tuple[Iterator[dict[str, Any]
         ds = ds.take(spec.max_samples) if spec.streaming else ds.select(range(min(spec.max_samples, len(ds))))
     columns = list(ds.column_names) if ds.column_names is not None else None
     return _rows(ds.with_format("arrow")), columns
+
+
+def _ask_hub_first(entry: str, spec: SourceSpec) -> None:
+    """One short request before `load_dataset` (which retries an unreachable hub for minutes):
+    a dataset the hub does not have, or a hub that does not answer, is an error now. Not asked
+    under `HF_HUB_OFFLINE=1` (then only the cache is read)."""
+    from mmrl.hub import ask_hub, hub_offline, is_cached, unreachable_message
+
+    if hub_offline():
+        return
+    answer = ask_hub(spec.path, "dataset", spec.revision)
+    what = f"data source {entry!r}: hub dataset {spec.path!r}"
+    if answer.state == "missing":
+        raise ValueError(f"{what}: {answer.detail}")
+    if answer.state == "unreachable":
+        cached = (
+            " (a copy is in the local cache: HF_HUB_OFFLINE=1 reads it)"
+            if is_cached(spec.path, "dataset")
+            else ""
+        )
+        raise ValueError(unreachable_message(what, answer) + cached)
 
 
 def _rows(ds) -> Iterator[dict[str, Any]]:
@@ -354,6 +455,24 @@ def rows_to_samples(
     """Map every row onto the sample format by its layout (`layout`, else `spec.layout`, else
     detected from the first row) and validate it; ids must be unique. `where_of(i)` names row
     i in errors; `source_file` is recorded in converted rows' `extra_info`."""
+    return _rows_to_samples(
+        entry, spec, rows, columns, base_dir, check_images, max_prompt_chars, layout, where_of, source_file
+    )[0]
+
+
+def _rows_to_samples(
+    entry: str,
+    spec: SourceSpec,
+    rows: Iterator[dict[str, Any]],
+    columns: list[str] | None,
+    base_dir: Path | None,
+    check_images: bool = True,
+    max_prompt_chars: int = MAX_PROMPT_CHARS,
+    layout: str | None = None,
+    where_of: Callable[[int], str] | None = None,
+    source_file: str | None = None,
+) -> tuple[list[Sample], str]:
+    """`rows_to_samples`, and the layout the rows were mapped from."""
     from mmrl.datasets import converters
 
     where_of = where_of or (lambda i: f"{entry} row {i}")
@@ -394,7 +513,7 @@ def rows_to_samples(
         samples.append(sample)
     if not samples:
         raise SampleError(entry, "<dataset>", "no rows")
-    return samples
+    return samples, layout
 
 
 def _validate(record, where, base_dir, check_images, max_prompt_chars, rename) -> Sample:

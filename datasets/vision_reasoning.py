@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from mmrl.datasets.procedural import Drawn, register_kind
+from mmrl.datasets.kinds import Drawn, register_kind
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),

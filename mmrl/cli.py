@@ -1,4 +1,10 @@
-"""The `mmrl` command line: `mmrl train`, and later `serve` and `eval`."""
+"""The `mmrl` command line: `train`, `check`, `convert`, `serve` and `eval`.
+
+Only the chosen command's arguments are built, and nothing heavy is imported before a command
+has checked its input (`mmrl.check`): `--help`, a config error or `mmrl check` answer without
+loading torch. Ctrl-C ends any command with one line and exit status 130 (a training run that has
+begun writes a checkpoint first and says how to resume).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,8 @@ import logging
 import sys
 
 from mmrl.config import task_names
+
+COMMANDS = ("train", "check", "convert", "serve", "eval")
 
 TRAIN_EPILOG = """\
 main options (any config field can be set as key=value; see configs/<task>.yaml):
@@ -26,7 +34,20 @@ examples:
   mmrl train --task vision_reasoning
   mmrl train --task vision_reasoning trainer.total_steps=50 rollout.group_size=4
   mmrl train --task vision_reasoning --model /path/to/Qwen2.5-VL-3B-Instruct
+  mmrl train --task vision_reasoning --model Qwen/Qwen2.5-VL-3B-Instruct   # a hub id
   mmrl train --task qwen2_5_vl_3b_grpo_lora             # a real-model recipe (configs/)
+  mmrl check --task qwen2_5_vl_3b_grpo_lora             # check it first: config, data, model, packages, GPU
+"""
+
+CHECK_EPILOG = """\
+Checks, without starting anything: the config; every data path (a missing local file is named
+with the folder it was resolved from); the model folder or hub id (cached, or on a reachable
+hub); the optional packages the run needs, with their install lines; GPU memory against a rough
+estimate of the run's needs. Prints one line per problem (exit status 2) or `ready` and a summary.
+
+examples:
+  mmrl check --task qwen2_5_vl_3b_grpo_lora
+  mmrl check --task vision_reasoning data.train_files=[train.jsonl] data.heldout_files=[test.jsonl]
 """
 
 
@@ -55,7 +76,42 @@ examples:
 """
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_train_arguments(parser: argparse.ArgumentParser, tasks: list[str]) -> None:
+    """`mmrl train`'s (and `mmrl check`'s) arguments."""
+    parser.add_argument(
+        "--task", choices=tasks, default="vision_reasoning", help="task recipe (default: vision_reasoning)"
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML config merged over the task recipe")
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        help="a Hugging Face VLM: a local folder or a hub id such as Qwen/Qwen2.5-VL-3B-Instruct "
+        "(default: the built-in tiny base)",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="auto|CHECKPOINT",
+        help="continue a run: `auto` picks the newest complete checkpoint in trainer.run_dir",
+    )
+    parser.add_argument(
+        "--dump-steps",
+        action="store_true",
+        help="write every step's intermediate results to <run_dir>/dumps/",
+    )
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
+
+def chosen_command(argv: list[str]) -> str | None:
+    """The subcommand `argv` names (the first word that is not an option), or None."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The parser, with the arguments of `command` only (the others' would import their
+    modules: `mmrl --help` and `mmrl train --help` stay light)."""
     parser = argparse.ArgumentParser(
         prog="mmrl",
         description="mmrl: RL post-training for multimodal models (GRPO on VLMs, V-Triune-style verifiers).",
@@ -71,24 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p_train.add_argument(
-        "--task", choices=tasks, default="vision_reasoning", help="task recipe (default: vision_reasoning)"
+    p_check = sub.add_parser(
+        "check",
+        help="check a training run before starting it (config, data, model, packages, GPU)",
+        description="Check a training run without starting it; the same arguments as `mmrl train`.",
+        epilog=CHECK_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p_train.add_argument("--config", metavar="FILE", help="YAML config merged over the task recipe")
-    p_train.add_argument(
-        "--model", metavar="PATH", help="local Hugging Face VLM folder (default: the built-in tiny base)"
-    )
-    p_train.add_argument(
-        "--resume",
-        metavar="auto|CHECKPOINT",
-        help="continue a run: `auto` picks the newest complete checkpoint in trainer.run_dir",
-    )
-    p_train.add_argument(
-        "--dump-steps",
-        action="store_true",
-        help="write every step's intermediate results to <run_dir>/dumps/",
-    )
-    p_train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    if command in ("train", "check"):
+        add_train_arguments(p_train if command == "train" else p_check, tasks)
 
     p_convert = sub.add_parser(
         "convert",
@@ -97,16 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         epilog=CONVERT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p_convert.add_argument("kind", choices=["coco", "vtriune", "easyr1"], help="input format")
-    p_convert.add_argument("inputs", nargs="+", help="coco: ANNOTATIONS.json IMAGE_DIR; others: record files")
-    p_convert.add_argument("-o", "--output", required=True, help="output .jsonl or .parquet")
-    p_convert.add_argument(
-        "--task", choices=["detection", "grounding"], help="coco: one sample per image or per object"
-    )
-    p_convert.add_argument("--data-source", help="data_source of the converted samples")
-
-    from mmrl.eval.runner import add_eval_arguments
-    from mmrl.server import add_serve_arguments
+    if command == "convert":
+        p_convert.add_argument("kind", choices=["coco", "vtriune", "easyr1"], help="input format")
+        p_convert.add_argument(
+            "inputs", nargs="+", help="coco: ANNOTATIONS.json IMAGE_DIR; others: record files"
+        )
+        p_convert.add_argument("-o", "--output", required=True, help="output .jsonl or .parquet")
+        p_convert.add_argument(
+            "--task", choices=["detection", "grounding"], help="coco: one sample per image or per object"
+        )
+        p_convert.add_argument("--data-source", help="data_source of the converted samples")
 
     p_serve = sub.add_parser(
         "serve",
@@ -117,18 +164,29 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=SERVE_EPILOG,
     )
-    add_serve_arguments(p_serve)
+    if command == "serve":
+        from mmrl.server import add_serve_arguments
+
+        add_serve_arguments(p_serve)
 
     p_eval = sub.add_parser(
         "eval",
         help="evaluate a model on a MEGA-Bench-style suite",
-        description="Evaluate a local VLM on a MEGA-Bench-style suite (default: the built-in mini-suite); "
-        "results as JSON, Markdown and PNG; resumable.",
+        description="Evaluate a VLM (a local folder or a hub id) on a MEGA-Bench-style suite (default: the "
+        "built-in mini-suite); results as JSON, Markdown and PNG; resumable.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EVAL_EPILOG,
     )
-    add_eval_arguments(p_eval)
+    if command == "eval":
+        from mmrl.eval.command import add_eval_arguments
 
+        add_eval_arguments(p_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(chosen_command(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -138,28 +196,65 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"mmrl {args.command}: interrupted (Ctrl-C){_interrupt_note(args)}", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         return _train(args)
+    if args.command == "check":
+        from mmrl.check import check_train
+
+        return check_train(args.task, args.config, _train_overrides(args)).print("check")
     if args.command == "convert":
         return _convert(args)
     if args.command == "serve":
+        from mmrl.check import check_serve
+
+        report = check_serve()
+        if report.problems:
+            return report.print("serve")
         from mmrl.server import run_serve_command
 
         return run_serve_command(args)
     if args.command == "eval":
-        from mmrl.eval.runner import run_eval_command
+        from mmrl.eval.command import run_eval_command
 
         return run_eval_command(args)
     return 2
 
 
-def _train_diffusion(args: argparse.Namespace, overrides: list[str]) -> int:
+def _interrupt_note(args: argparse.Namespace) -> str:
+    """What an interrupted command left behind, in a few words."""
+    if args.command == "train":
+        return "; stopped before training began, nothing to resume"
+    if args.command == "eval":
+        return "; finished queries are kept, rerun the same command to continue"
+    return ""
+
+
+def _train_overrides(args: argparse.Namespace) -> list[str]:
+    """The `key=value` overrides, with `--model`, `--resume` and `--dump-steps` among them."""
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.append(f"model.path={args.model}")
+    if getattr(args, "resume", None):
+        overrides.append(f"trainer.resume={args.resume}")
+    if getattr(args, "dump_steps", False):
+        overrides.append("trainer.dump_steps=true")
+    return overrides
+
+
+def _train_diffusion(args: argparse.Namespace, cfg) -> int:
     """flow-GRPO on a diffusion pipeline (`configs/<task>.yaml` with `kind: diffusion`)."""
-    from mmrl.train.flow_config import load_flow_config, recipe_kind
+    from mmrl.config import recipe_kind
     from mmrl.train.storage import StorageError
 
     try:
-        cfg = load_flow_config(args.task, args.config, overrides)
         if recipe_kind(args.task) == "decoupled":  # a planner in front of the pipeline
             from mmrl.train.decoupled import run_decoupled
 
@@ -203,25 +298,24 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from mmrl.config import load_config
+    from mmrl.check import check_train
+
+    overrides = _train_overrides(args)
+    # Checked before anything heavy loads: the config, that the data and the model can be found,
+    # the packages, the GPU memory (the data is read, and every record validated, by the trainer).
+    report = check_train(args.task, args.config, overrides, read_data=False)
+    if report.problems:
+        return report.print("train")
+    from mmrl.config import recipe_kind
+
+    if recipe_kind(args.task) in ("diffusion", "decoupled"):
+        return _train_diffusion(args, report.config)
+    from mmrl.compose import train
     from mmrl.datasets.schema import SampleError
-    from mmrl.train.grpo import train
     from mmrl.train.storage import StorageError
 
-    overrides = list(args.overrides)
-    if args.model:
-        overrides.append(f"model.path={args.model}")
-    if args.resume:
-        overrides.append(f"trainer.resume={args.resume}")
-    if args.dump_steps:
-        overrides.append("trainer.dump_steps=true")
-    from mmrl.train.flow_config import is_diffusion_task
-
-    if is_diffusion_task(args.task):
-        return _train_diffusion(args, overrides)
     try:
-        cfg = load_config(task=args.task, config_file=args.config, overrides=overrides)
-        result = train(cfg)
+        result = train(report.config)
     except (SampleError, ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,11 @@ with the full key name (OmegaConf structured configs do the checking).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import math
+import textwrap
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -19,12 +23,15 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from mmrl.models.precision import DTYPES
-from mmrl.models.tiny import TinyVLMSpec
-from mmrl.models.tiny import architectures as tiny_architectures
+# Light imports only: `import mmrl.config` must not load torch or transformers, so that `--help`
+# and a config error answer at once (tests/test_cli.py checks it in a fresh interpreter).
+from mmrl.models.tiny_spec import TINY_ARCHITECTURES, TinyVLMSpec
 from mmrl.rewards.config import ModelRewardsConfig
+from mmrl.types import AnswerLimits
 
-DTYPE_NAMES = ("auto", *DTYPES)
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+"""What `model.dtype` / `model.master_dtype` accept (`mmrl.models.precision.DTYPES` maps the names
+to torch dtypes)."""
 
 
 @dataclass
@@ -132,6 +139,11 @@ class DataConfig:
     built-in pool) to every math-ability prompt (V-Triune's randomised prompt pool)."""
     cot_prompt_pool: list[str] = field(default_factory=list)
     """Instructions to draw from; empty: `mmrl.train.data.DEFAULT_COT_PROMPTS`."""
+    source_aliases: dict[str, str] = field(default_factory=dict)
+    """Short names of data sources, as metric names and the logs show them
+    (`{hiyouga/geometry3k: geo3k}`). A source of rows read from the hub that is not listed and
+    whose name has a `/` is shortened to its last part (`hiyouga/geometry3k` -> `geometry3k`)
+    unless two sources would then share it; other sources keep their names."""
     max_prompt_chars: int = 200_000
     """A sample file's record whose prompt text is longer than this many characters is refused
     when the file is loaded (naming file, line and id), not deep inside the tokenizer later."""
@@ -162,6 +174,19 @@ class RolloutConfig:
     vllm_tensor_parallel_size: int = 1
     """vLLM: GPUs each engine shards the model over (tensor parallelism); with the Ray backend
     each rollout worker needs that many (`trainer.ray_gpus_per_actor`)."""
+    vllm_weight_sync: str = "auto"
+    """vLLM: how new weights reach the engine (never through its RPC): `inprocess` (the engine
+    runs in this process, weights loaded straight into its model), `nccl` (a separate engine:
+    names, dtypes and shapes by RPC, the data broadcast over NCCL from this process's GPU, which
+    must not be one of the engine's), or `auto` (inprocess with one GPU per engine, else nccl)."""
+    decode: str = "auto"
+    """HF engine decode steps (`mmrl.rollout.decode`): `eager`, `static` (a static KV cache of
+    fixed shapes per batch-size bucket), `captured` (static, captured once per bucket as a CUDA
+    graph and replayed; CUDA only) or `auto` (captured on CUDA, eager elsewhere)."""
+    lora_merge: str = "auto"
+    """HF engine with LoRA: `merged` (the adapters merged into the weights for the rollout, the
+    weights restored exactly after it), `unmerged`, or `auto` (merged on CUDA). The trainer
+    scores unmerged; the merge's rounding shows in the `rollout/` mismatch metrics."""
 
 
 @dataclass
@@ -176,14 +201,15 @@ class RewardConfig:
     on_error: str = "zero"
     """A verifier error or time-out is always counted and logged with the sample id; then
     `zero`: the response scores 0 and stays in its group; `drop`: it is left out of its group's
-    advantage statistics and of the loss."""
+    advantage statistics and of the loss. An answer refused by `answer_limits` is counted as an
+    error too, but always scores 0 and stays (it is the response's fault, not the verifier's)."""
     overlap: bool = True
     """Score each response as soon as it is generated, overlapping generation (needs workers
     or a remote reward service)."""
     update_while_scoring: bool = True
     """With `overlap`: start the update on the first mini-batch once its groups are scored,
     while later groups are still being scored. Taken when the advantage estimator is
-    group-local (grpo, dr_grpo, rloo, remax, opo, pass_at_k), `trainer.mini_batches` > 1, no reward model scores the
+    group-local (grpo, dr_grpo, rloo, remax, opo, pass_at_k, grpo_passk), `trainer.mini_batches` > 1, no reward model scores the
     batch and the update runs in this process; the update is the same as without it. One
     difference: a non-finite reward found after a mini-batch was already stepped on stops the
     update there (the step is counted as skipped) instead of skipping the whole step."""
@@ -198,6 +224,11 @@ class RewardConfig:
     plugins: list[str] = field(default_factory=list)
     """Python modules to import (here and in every verifier worker) that register extra
     verifiers with `@register_verifier`."""
+    answer_limits: AnswerLimits = field(default_factory=AnswerLimits)
+    """Caps on a response's final answer (characters, bracket nesting, tokens) checked before a
+    verifier parses it: past one, the response scores 0 with an error of its own kind
+    (`answer_too_long`, `answer_too_deep`, `answer_too_many_tokens`), counted in
+    `verifier/rejected_answers` (a remote reward server applies its own `answer_limits`)."""
     model_rewards: ModelRewardsConfig = field(default_factory=ModelRewardsConfig)
     """Model-based rewards (aesthetic, CLIP, OCR, VLM judge, ...) for samples whose
     `reward_model.models` name them; scored in the trainer's process, added to the verifier's
@@ -211,9 +242,10 @@ class AlgoConfig:
     # -- advantages --
     advantage: str = "grpo"
     """Advantage estimator: grpo, dr_grpo (no std division), rloo, reinforce_pp (batch
-    normalisation), reinforce_pp_baseline (group mean, then batch normalisation), gdpo, remax
+    whitening per token), reinforce_pp_baseline (group mean, then the same), gdpo, remax
     (a greedy response's reward as baseline), opo (length-weighted group baseline), gpg
-    (group mean, rescaled by the share of informative rows), pass_at_k (optimises pass@k)."""
+    (group mean, rescaled by the share of informative rows), pass_at_k (optimises pass@k),
+    grpo_passk (veRL's: only each group's best response, by its margin over the runner-up)."""
     adv_eps: float = 1e-6
     """Added to standard deviations before dividing."""
     adv_clip: float = 0.0
@@ -234,6 +266,8 @@ class AlgoConfig:
     ratio), clip_cov or kl_cov (Cui et al. 2025: no gradient for / a KL penalty on the tokens of
     highest log-prob/advantage covariance), gmpo (geometric mean of token ratios), sapo (soft
     sigmoid gate instead of the clip), gpg (plain -A log pi)."""
+    cispo_seq_floor: bool = False
+    """cispo_seq: also bound the sequence weight below at 1 - clip_low (TRL has no lower bound)."""
     sapo_tau_pos: float = 1.0
     """sapo: gate temperature of positive-advantage tokens (the paper's 1.0)."""
     sapo_tau_neg: float = 1.05
@@ -278,7 +312,11 @@ class AlgoConfig:
     tis_low: float = 0.0
     """tis_mode=band: the band's lower bound (0: 1 / tis_cap)."""
     tis_batch_norm: bool = False
-    """Divide the IS weights by their batch mean (mean 1; veRL's rollout_is_batch_normalize)."""
+    """Divide the IS weights by their batch mean (veRL's rollout_is_batch_normalize)."""
+    tis_batch_norm_scope: str = "verl"
+    """tis_batch_norm's mean: `verl` (veRL's order: the truncated weights over every loss token
+    before rejection and IS masking) or `kept` (the applied weights over the loss mask left
+    after rejection, IS-masked tokens counting as 0: they then average exactly 1)."""
     rejection: str = "off"
     """Rollout rejection: drop whole responses whose pi_trainer / pi_rollout is out of
     [rejection_low, rejection_high]: off, geometric (geometric-mean ratio), sequence (product)
@@ -403,6 +441,47 @@ class MlflowConfig:
     """Run tags."""
 
 
+MAX_CONFIG_INT = 2**63 - 1
+"""Largest magnitude of an integer config value: it must fit the 64-bit integers that torch,
+numpy and the step counters hold it in (the reward server's limit for `step` too)."""
+
+
+def number_checks(obj: Any, prefix: str = "") -> list[tuple[bool, str]]:
+    """Every number of a config dataclass (nested ones and lists included) usable at all: an
+    integer within +-(2^63 - 1) and a float finite (NaN and infinities refused; no field gives
+    them a meaning). Range rules of single fields come on top, in each `__post_init__`."""
+    checks: list[tuple[bool, str]] = []
+    for f in dataclasses.fields(obj):
+        checks += _value_checks(getattr(obj, f.name), f"{prefix}{f.name}")
+    return checks
+
+
+def _value_checks(value: Any, key: str) -> list[tuple[bool, str]]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return number_checks(value, f"{key}.")
+    if isinstance(value, (list, tuple)):
+        return [c for i, item in enumerate(value) for c in _value_checks(item, f"{key}[{i}]")]
+    if isinstance(value, dict):
+        return [c for k, item in value.items() for c in _value_checks(item, f"{key}.{k}")]
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int) and abs(value) > MAX_CONFIG_INT:
+        return [
+            (False, f"{key} must be within +-(2^63 - 1), got an integer of {len(str(abs(value)))} digits")
+        ]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(False, f"{key} must be a finite number, got {value}")]
+    return []
+
+
+def answer_limit_checks(limits: AnswerLimits, key: str) -> list[tuple[bool, str]]:
+    """Each cap of `limits` (the training and serve configs' `answer_limits`) >= 0 (0: off)."""
+    return [
+        (getattr(limits, name) >= 0, f"{key}.{name} must be >= 0 (0: no cap), got {getattr(limits, name)}")
+        for name in ("max_chars", "max_depth", "max_tokens")
+    ]
+
+
 def logger_checks(trainer: Any) -> list[tuple[bool, str]]:
     """Checks of `trainer.loggers` and the trackers' settings (both trainers' configs)."""
     loggers = trainer.loggers
@@ -479,6 +558,10 @@ class TrainerConfig:
     """Weights & Biases settings (with `wandb` in `loggers`)."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     """MLflow settings (with `mlflow` in `loggers`)."""
+    log_generations: int = 8
+    """Rows of the sample-generations table (prompt, image thumbnail, response, reward and each
+    component) the trackers get at every held-out evaluation: the first N held-out samples, the
+    same ones each time; also written to `<run_dir>/generations.jsonl`. 0: none."""
     eval_suite: str | None = None
     """A MEGA-Bench-style suite evaluated during training (a path, or `builtin` for the built-in
     mini-suite); None: off."""
@@ -532,6 +615,14 @@ class TrainerConfig:
     ray_gpus_per_actor: float = 0.0
     """Ray: GPUs reserved for each rollout and training actor (0: CPU only; the training group
     then communicates with gloo, else NCCL)."""
+    ray_reward_gpus: float = 0.0
+    """Ray: GPUs reserved for each reward worker, where `reward.model_rewards` score (a fraction
+    shares a GPU with policy actors that take the rest of it; the models are moved to host memory
+    around each update by `reward.model_rewards.placement`, as in a local run); 0: the CPU."""
+    lora_sync: str = "auto"
+    """Ray with LoRA: what the rollout workers receive after each update. `adapters`: the adapter
+    weights only (the workers run them unmerged); `merged`: the whole model with the adapters
+    merged in; `auto`: adapters for the HF engine, merged for vLLM (which loads whole weights)."""
 
 
 @dataclass
@@ -554,6 +645,9 @@ class Config:
     """The loop: steps, batch sizes, evaluation, run directory."""
 
     def __post_init__(self) -> None:
+        for ok, message in number_checks(self):  # first: the checks below compute with them
+            if not ok:
+                raise ValueError(f"invalid config: {message}")
         t, d, r = self.trainer, self.data, self.rollout
         checks = [
             (t.total_steps >= 1, f"trainer.total_steps must be >= 1, got {t.total_steps}"),
@@ -576,6 +670,7 @@ class Config:
                 "trainer.eval_suite_max_queries must be >= 1 (or null: all)",
             ),
             (t.threads >= 0, f"trainer.threads must be >= 0, got {t.threads}"),
+            (t.log_generations >= 0, f"trainer.log_generations must be >= 0, got {t.log_generations}"),
             *logger_checks(t),
             (r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}"),
             (r.max_batch_rows >= 1, f"rollout.max_batch_rows must be >= 1, got {r.max_batch_rows}"),
@@ -599,12 +694,17 @@ class Config:
             (self.rollout.group_size >= 1, "rollout.group_size must be >= 1"),
             (self.rollout.temperature > 0, "rollout.temperature must be > 0"),
             (self.reward.num_workers >= 0, "reward.num_workers must be >= 0"),
+            *answer_limit_checks(self.reward.answer_limits, "reward.answer_limits"),
             (self.reward.time_limit_s > 0, "reward.time_limit_s must be > 0"),
             (self.reward.on_error in ("zero", "drop"), "reward.on_error must be zero or drop"),
             (self.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
-            (self.trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
             (
-                (self.trainer.prompts_per_step * self.rollout.group_size) % self.trainer.mini_batches == 0,
+                self.trainer.mini_batches >= 1,
+                f"trainer.mini_batches must be >= 1, got {self.trainer.mini_batches}",
+            ),
+            (
+                self.trainer.mini_batches < 1  # reported above (a modulo by 0 would raise here)
+                or (self.trainer.prompts_per_step * self.rollout.group_size) % self.trainer.mini_batches == 0,
                 "trainer.mini_batches must divide prompts_per_step * group_size",
             ),
             (
@@ -637,8 +737,8 @@ class Config:
             ),
             (self.model.lora_rank >= 0, "model.lora_rank must be >= 0"),
             (
-                self.model.tiny.architecture in tiny_architectures(),
-                f"model.tiny.architecture must be one of {', '.join(tiny_architectures())}",
+                self.model.tiny.architecture in TINY_ARCHITECTURES,
+                f"model.tiny.architecture must be one of {', '.join(TINY_ARCHITECTURES)}",
             ),
             (self.model.dtype in DTYPE_NAMES, f"model.dtype must be one of {', '.join(DTYPE_NAMES)}"),
             (
@@ -659,6 +759,22 @@ class Config:
                 "optim.schedule must be constant, linear or cosine",
             ),
             (self.rollout.engine in ("hf", "vllm"), "rollout.engine must be hf or vllm"),
+            (
+                self.rollout.decode in ("auto", "eager", "static", "captured"),
+                "rollout.decode must be auto, eager, static or captured",
+            ),
+            (
+                self.rollout.lora_merge in ("auto", "merged", "unmerged"),
+                "rollout.lora_merge must be auto, merged or unmerged",
+            ),
+            (
+                self.rollout.vllm_weight_sync in ("auto", "inprocess", "nccl"),
+                "rollout.vllm_weight_sync must be auto, inprocess or nccl",
+            ),
+            (
+                self.rollout.engine != "vllm" or self.model.lora_rank <= 512,
+                f"model.lora_rank={self.model.lora_rank} with rollout.engine=vllm: vLLM serves LoRA ranks up to 512",
+            ),
             (self.rollout.vllm_sleep_level in (0, 1, 2), "rollout.vllm_sleep_level must be 0, 1 or 2"),
             (
                 self.rollout.vllm_tensor_parallel_size >= 1,
@@ -690,17 +806,14 @@ class Config:
                 "trainer.mode=async runs with trainer.backend=local (the Ray backend is on-policy)",
             ),
             (
-                self.trainer.backend == "local" or not self.trainer.resume,
-                "trainer.resume is not supported with trainer.backend=ray yet",
+                self.trainer.lora_sync in ("auto", "adapters", "merged"),
+                f"trainer.lora_sync must be auto, adapters or merged, got {self.trainer.lora_sync!r}",
             ),
             (
-                self.trainer.backend == "local" or self.model.lora_rank == 0,
-                "model.lora_rank > 0 is not supported with trainer.backend=ray yet",
+                self.trainer.lora_sync != "adapters" or self.rollout.engine == "hf",
+                "trainer.lora_sync=adapters needs rollout.engine=hf (vLLM loads whole weights: use merged)",
             ),
-            (
-                self.trainer.backend == "local" or not self.reward.model_rewards.models,
-                "reward.model_rewards is not supported with trainer.backend=ray yet",
-            ),
+            (self.trainer.ray_reward_gpus >= 0, "trainer.ray_reward_gpus must be >= 0"),
             (
                 self.trainer.train_workers == 1 or not self.algo.dynamic_sampling,
                 "trainer.train_workers > 1 does not support algo.dynamic_sampling yet (a step's rows "
@@ -708,6 +821,7 @@ class Config:
             ),
             (
                 self.trainer.train_workers == 1
+                or self.trainer.mini_batches * self.trainer.train_workers < 1  # reported elsewhere
                 or (self.trainer.prompts_per_step * self.rollout.group_size)
                 % (self.trainer.mini_batches * self.trainer.train_workers)
                 == 0,
@@ -772,6 +886,10 @@ class Config:
             (
                 a.advantage != "pass_at_k" or (a.overlong_buffer == 0 and not a.kl_in_reward),
                 "algo.advantage=pass_at_k needs binary rewards: no algo.overlong_buffer, no algo.kl_in_reward",
+            ),
+            (
+                a.advantage != "grpo_passk" or self.rollout.group_size >= 2,
+                "algo.advantage=grpo_passk needs rollout.group_size >= 2 (a best and a runner-up)",
             ),
             (a.advantage != "remax" or local, "algo.advantage=remax needs trainer.backend=local"),
             (
@@ -866,10 +984,6 @@ class Config:
                 "keeps a plain copy of the weights)",
             ),
             (
-                not ds or m.lora_rank == 0,
-                "trainer.strategy=deepspeed trains full weights; model.lora_rank > 0 needs trainer.strategy=fsdp2",
-            ),
-            (
                 not ds or m.master_dtype in ("auto", "float32"),
                 "trainer.strategy=deepspeed keeps float32 master weights in its optimizer: model.master_dtype "
                 "must be auto or float32 (bfloat16 compute is model.dtype=bfloat16)",
@@ -896,6 +1010,10 @@ class Config:
                 "algo.tis_mode=band needs tis_cap > 1 or tis_low set",
             ),
             (not a.tis_batch_norm or a.tis != "off", "algo.tis_batch_norm needs algo.tis=token or sequence"),
+            (
+                a.tis_batch_norm_scope in ("verl", "kept"),
+                f"algo.tis_batch_norm_scope must be verl or kept, got {a.tis_batch_norm_scope!r}",
+            ),
             (
                 a.rejection in ("off", "geometric", "sequence", "max_token"),
                 "algo.rejection must be off, geometric, sequence or max_token",
@@ -953,6 +1071,16 @@ def task_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("mmrl.configs").iterdir() if p.name.endswith(".yaml"))
 
 
+def recipe_kind(task: str) -> str | None:
+    """The top-level `kind` of `configs/<task>.yaml` (`diffusion`, `decoupled`; None: a VLM
+    recipe, or no such recipe). Read without loading the trainers, so the CLI can pick one."""
+    recipe = resources.files("mmrl.configs") / f"{task}.yaml"
+    if not recipe.is_file():
+        return None
+    conf = OmegaConf.create(recipe.read_text())
+    return conf.get("kind") if isinstance(conf, type(OmegaConf.create({}))) else None
+
+
 def load_config(
     task: str | None = None,
     config_file: str | Path | None = None,
@@ -975,14 +1103,7 @@ def load_structured(
         where = f"configs/{task}.yaml"
         merged = _merge(merged, _yaml(recipe.read_text(), where), where)
     if config_file is not None:
-        path = Path(config_file)
-        if not path.exists():
-            raise FileNotFoundError(f"config file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-        merged = _merge(merged, _yaml(text, str(path)), str(path))
+        merged = merge_config_file(merged, config_file)
     if overrides:
         bad = [o for o in overrides if "=" not in o]
         if bad:
@@ -991,11 +1112,45 @@ def load_structured(
             dotlist = OmegaConf.from_dotlist(list(overrides))
         except Exception as exc:  # noqa: BLE001 - OmegaConf and YAML errors alike, on one line
             raise _config_error(f"invalid override in {list(overrides)}: {_one_line(exc)}", exc) from None
-        merged = _merge(merged, dotlist, "overrides")
+        merged = merge_config_values(merged, dotlist, "overrides")
+    return config_object(merged)
+
+
+def merge_config_file(merged: Any, config_file: str | Path) -> Any:
+    """`merged` (an OmegaConf structured config) with a YAML file on top; a missing file is
+    `FileNotFoundError`, everything else wrong (a folder, not UTF-8, bad YAML at file:line:column,
+    an unknown key with the closest known one, a wrong type) a one-line `ConfigError` naming it."""
+    path = Path(config_file)
+    return _merge(merged, _yaml(read_config_file(path), str(path)), str(path))
+
+
+def merge_config_values(merged: Any, values: Any, where: str) -> Any:
+    """`merged` with `values` (a mapping or OmegaConf config) on top; errors name `where`."""
+    return _merge(merged, values, where)
+
+
+def config_object(merged: Any) -> Any:
+    """The dataclass instance of an OmegaConf structured config (its `__post_init__` checks
+    run); OmegaConf's errors as one-line `ConfigError`s."""
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise _config_error(f"invalid config: {_describe(exc)}", exc) from None
+
+
+def read_config_file(path: Path) -> str:
+    """The text of a YAML config file; a missing file is `FileNotFoundError`, a folder, an
+    unreadable file or text that is not UTF-8 a `ConfigError`, each naming the path."""
+    if not path.exists():
+        raise FileNotFoundError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder, not a config file (give a .yaml file)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
 
 
 class ConfigError(ValueError):
@@ -1024,14 +1179,30 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _describe(exc: OmegaConfBaseException) -> str:
-    """OmegaConf's multi-line message as one line with the full key."""
+    """OmegaConf's multi-line message as one line with the full key (and, for an unknown key,
+    the closest known ones)."""
     key = getattr(exc, "full_key", None)
     message = _one_line(exc)
     if isinstance(exc, ConfigKeyError) and key:
-        return f"unknown key {key!r}"
+        return f"unknown key {key!r}{did_you_mean(key, getattr(exc, 'object_type', None))}"
     if key and key not in message:
         return f"{key}: {message}"
     return message
+
+
+def did_you_mean(key: str, schema: Any) -> str:
+    """` (did you mean 'trainer.total_steps'?)` for an unknown dotted `key` whose parent is the
+    dataclass `schema`, naming its closest field (difflib); "" when none is close."""
+    import difflib
+
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        return ""
+    parent, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(schema)], n=1, cutoff=0.6)
+    if not close:
+        return ""
+    suggestion = f"{parent}.{close[0]}" if parent else close[0]
+    return f" (did you mean {suggestion!r}?)"
 
 
 def _merge(base: Any, extra: Any, where: str) -> Any:
@@ -1043,21 +1214,27 @@ def _merge(base: Any, extra: Any, where: str) -> Any:
         raise _config_error(f"{where}: {_describe(exc)}", exc) from None
 
 
-def _documented_fields(cls: type) -> set[str]:
-    """Fields of a dataclass followed by a docstring in its source."""
-    import ast
-    import inspect
-    import textwrap
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass `cls` (and of its dataclass bases), by name.
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    return {
-        stmt.target.id
-        for stmt, nxt in zip(body, body[1:])
-        if isinstance(stmt, ast.AnnAssign)
-        and isinstance(nxt, ast.Expr)
-        and isinstance(nxt.value, ast.Constant)
-    }
+    A field's doc is the string literal on the line after its annotated assignment (the
+    attribute-docstring convention that Sphinx and mkdocstrings read)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass) or klass is object:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body
+        for stmt, nxt in zip(body, body[1:]):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
 
 
 def _nested(cls: type):
@@ -1080,7 +1257,7 @@ def undocumented_fields(cls: type, seen: set | None = None) -> list[str]:
     if cls in seen:
         return []
     seen.add(cls)
-    documented = _documented_fields(cls)
+    documented = set(field_docs(cls))
     missing = [f"{cls.__name__}.{f.name}" for f in dataclasses.fields(cls) if f.name not in documented]
     for sub in _nested(cls):
         missing += undocumented_fields(sub, seen)
@@ -1104,6 +1281,9 @@ def _yaml(text: str, where: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or _one_line(exc)
+        context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context and start is not None:  # where the unclosed bracket or quote began
+            problem += f" ({context} at line {start.line + 1}, column {start.column + 1})"
         raise ConfigError(f"{where}{at}: invalid YAML: {problem}") from None
     except OmegaConfBaseException as exc:
         raise _config_error(f"{where}: {_describe(exc)}", exc) from None

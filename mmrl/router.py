@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mmrl.types import Sample, VerifierResult, VerifyContext
+from mmrl.types import AnswerLimits, Sample, VerifierResult, VerifyContext
 from mmrl.verifier_pool import Job, PoolThread, VerifierPool, import_plugins
 from mmrl.verifiers.registry import get_verifier, warm_up_verifiers
 
@@ -199,16 +199,23 @@ class Router:
         num_workers: worker processes (0: score in this process, no hard time limit).
         time_limit_s: per-call limit; past it (+ `KILL_GRACE_S`) the worker is killed.
         plugins: modules to import first (here and in every worker) that register verifiers.
+        answer_limits: the answer-size caps every context scored here carries (None: each
+            context's own, `AnswerLimits()` by default).
     """
 
     MAX_CHUNK = 8
     """Most responses in one message to a worker."""
 
     def __init__(
-        self, num_workers: int = 1, time_limit_s: float = 5.0, plugins: list[str] | tuple[str, ...] = ()
+        self,
+        num_workers: int = 1,
+        time_limit_s: float = 5.0,
+        plugins: list[str] | tuple[str, ...] = (),
+        answer_limits: AnswerLimits | None = None,
     ):
         self.num_workers = num_workers
         self.time_limit_s = time_limit_s
+        self.answer_limits = answer_limits
         import_plugins(plugins)
         self._pool: PoolThread | None = None
         if num_workers == 0:
@@ -262,11 +269,18 @@ class Router:
     def score(self, samples: list[Sample], texts: list[str], context: VerifyContext) -> RewardBatch:
         return self.submit(samples, texts, context).result(samples, texts)
 
+    def _limited(self, context: VerifyContext) -> VerifyContext:
+        """`context` carrying this router's answer limits."""
+        if self.answer_limits is None or context.limits == self.answer_limits:
+            return context
+        return dataclasses.replace(context, limits=self.answer_limits)
+
     def _job(self, sample: Sample, text: str, context: VerifyContext) -> Job:
         light = dataclasses.replace(sample, images=[])  # verifiers never need the pixels
-        return PoolThread.new_job([(light, text, context)])
+        return PoolThread.new_job([(light, text, self._limited(context))])
 
     def _start(self, sample: Sample, text: str, context: VerifyContext) -> Future | Job:
+        context = self._limited(context)
         if self._pool is None:
             future: Future = Future()
             future.set_result(_score_one(sample, text, context, self.time_limit_s))

@@ -15,10 +15,12 @@ import dataclasses
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from PIL import Image
+
+if TYPE_CHECKING:  # annotations only: `import mmrl.types` stays free of torch (config errors are instant)
+    import torch
 
 IMAGE_PLACEHOLDER = "<image>"
 
@@ -183,6 +185,25 @@ class VerifierResult:
 
 
 @dataclass
+class AnswerLimits:
+    """Caps on a response's final answer (its `\\boxed{}` or `<answer>` text), checked before a
+    verifier parses it (`mmrl.verifiers.limits`). math-verify's time grows with an answer's
+    length and steeply with its bracket nesting (its LaTeX grammar's look-ahead: ten bare `{`
+    levels take about a second, fourteen more than ten), so a policy that learns to babble
+    would otherwise cost a verifier time-out per response. An answer past a cap scores 0 with
+    an error of its own kind (`answer_too_long`, `answer_too_deep`, `answer_too_many_tokens`),
+    counted like any verifier error and by kind. 0 switches a cap off."""
+
+    max_chars: int = 1000
+    """Most characters in the answer (0: no cap)."""
+    max_depth: int = 10
+    """Deepest nesting of brackets `{ ( [` in the answer (0: no cap)."""
+    max_tokens: int = 400
+    """Most tokens in the answer: numbers, words, LaTeX commands and other single non-space
+    characters each count one (0: no cap)."""
+
+
+@dataclass
 class VerifyContext:
     """Training-time information a verifier may depend on."""
 
@@ -190,6 +211,9 @@ class VerifyContext:
     """Current training step (0-based)."""
     total_steps: int = 1
     """Total training steps; schedules such as the dynamic IoU threshold use step/total_steps."""
+    limits: AnswerLimits = field(default_factory=AnswerLimits)
+    """Caps on the answer's size, set by whoever runs the verifiers (`reward.answer_limits`,
+    the server's `answer_limits`)."""
 
 
 @dataclass

@@ -1,31 +1,32 @@
 """Model-based rewards (installed as `mmrl.rewards`).
 
 A reward model scores a batch of images / prompts / responses: `model.score(images=...)` ->
-`list[float]`; models are registered by name (`get_reward_model(name, **kwargs)`). Importing
-this package registers the built-in models; heavy dependencies (open_clip, rapidocr) are
-imported only when a model that needs them is built.
+`list[float]`; models are registered by name (`get_reward_model(name, **kwargs)`). Looking a
+model up registers the built-in ones first (`mmrl.rewards.catalog`); heavy dependencies
+(open_clip, rapidocr) are imported only when a model that needs them is built.
+
+Importing this package imports no torch: `mmrl.config` imports `mmrl.rewards.config`, and a
+config error or `--help` must stay instant. The names below load their modules on first use.
 """
 
-# Importing the modules registers their reward models (heavy imports happen in constructors).
-from mmrl.rewards import aesthetic as _aesthetic  # noqa: F401
-from mmrl.rewards import clip_score as _clip_score  # noqa: F401
-from mmrl.rewards import geneval as _geneval  # noqa: F401
-from mmrl.rewards import jpeg as _jpeg  # noqa: F401
-from mmrl.rewards import ocr as _ocr  # noqa: F401
-from mmrl.rewards import perceptual as _perceptual  # noqa: F401
-from mmrl.rewards import vlm_judge as _vlm_judge  # noqa: F401
-from mmrl.rewards.base import (
-    RewardModel,
-    RewardModelError,
-    RewardOutput,
-    WeightsFileError,
-    as_pil_images,
-    get_reward_model,
-    register_reward_model,
-    reward_model_names,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mmrl.rewards.base import (
+        RewardInputs,
+        RewardModel,
+        RewardModelError,
+        RewardOutput,
+        WeightsFileError,
+        as_pil_images,
+        register_reward_model,
+    )
+    from mmrl.rewards.catalog import get_reward_model, reward_model_names
 
 __all__ = [
+    "RewardInputs",
     "RewardModel",
     "RewardModelError",
     "RewardOutput",
@@ -35,3 +36,21 @@ __all__ = [
     "register_reward_model",
     "reward_model_names",
 ]
+
+_LOOKUPS = ("get_reward_model", "reward_model_names")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LOOKUPS:
+        from mmrl.rewards import catalog as module
+    elif name in __all__:
+        from mmrl.rewards import base as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value  # later look-ups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -19,18 +19,16 @@ head_weights="/models/sac+logos+ava1-l14-linearMSE.pth")`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from mmrl.rewards.base import (
-    ImagesLike,
+    RewardInputs,
     RewardModel,
     RewardOutput,
-    as_pil_images,
+    batch_slices,
     check_state_dict,
     load_state_dict_file,
     register_reward_model,
@@ -100,18 +98,10 @@ class AestheticScorer(RewardModel):
         return {"clip": self.clip.module, "head": self.head}
 
     @torch.no_grad()
-    def score_with_components(
-        self,
-        images: ImagesLike | None = None,
-        prompts: Sequence[str] | None = None,
-        responses: Sequence[str] | None = None,
-        **fields: Sequence[Any],
-    ) -> RewardOutput:
-        self.check_inputs(images, prompts, responses, fields)
-        pil = as_pil_images(images)
+    def score_inputs(self, x: RewardInputs) -> RewardOutput:
         scores: list[float] = []
-        for start in range(0, len(pil), self.batch_size):
-            embed = normalise(self.clip.embed_images(pil[start : start + self.batch_size]))
+        for batch in batch_slices(x.n, self.batch_size):
+            embed = normalise(self.clip.embed_images(x.images[batch]))
             head_dtype = next(self.head.parameters()).dtype
             scores += self.head(embed.to(head_dtype)).float().squeeze(-1).tolist()
         return RewardOutput(scores=scores, components={"aesthetic": list(scores)})

@@ -19,13 +19,20 @@ buffers of its torch modules; models outside torch report what they load), and m
 `to(device)`, which is what the placement policy (`mmrl.rewards.placement`) uses to share the
 accelerator with the policy.
 
+A model implements `score_inputs(x)`, which gets the checked inputs with the images decoded
+once (`RewardInputs`); `score_with_components` and `score`, the public calls, do the rest.
+
+The registry (`register_reward_model`) lives here, below the models that register into it; the
+lookups by name, `get_reward_model` and `reward_model_names`, live in `mmrl.rewards.catalog`,
+which imports the built-in models first (both are also `mmrl.rewards.<name>`).
+
 This module's API is stable: other subsystems (flow-GRPO) import it.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -50,6 +57,22 @@ class WeightsFileError(RuntimeError):
 
 
 @dataclass
+class RewardInputs:
+    """The inputs of one scoring call, checked (`RewardModel.check_inputs`): N items."""
+
+    n: int
+    """The number of items N."""
+    images: list[Image.Image] | None
+    """The images as RGB PIL images (`as_pil_images`), or None when none were given."""
+    prompts: Sequence[str] | None
+    """The prompts, or None."""
+    responses: Sequence[str] | None
+    """The responses, or None."""
+    fields: dict[str, Sequence[Any]]
+    """Named per-item fields (`texts`, `references`, ...), each of length N."""
+
+
+@dataclass
 class RewardOutput:
     """Scores for a batch of N items, with named components kept for logging."""
 
@@ -62,9 +85,10 @@ class RewardOutput:
 class RewardModel:
     """Base class of every reward model: batched scoring, a device, memory accounting.
 
-    Subclasses implement `score_with_components` (or `score`), list the torch modules they
-    hold in `torch_modules()` (so `to`, `device` and `memory_bytes` work without more code),
-    and set `requires` to the inputs they cannot do without.
+    Subclasses implement `score_inputs` (checked inputs, images decoded), list the torch
+    modules they hold in `torch_modules()` (so `to`, `device` and `memory_bytes` work without
+    more code), and set `requires` to the inputs they cannot do without. A subclass may instead
+    implement `score_with_components` or `score` itself, on the inputs as the caller gave them.
     """
 
     name: str = ""
@@ -117,6 +141,12 @@ class RewardModel:
         scores a plan, so one plan outside the grammar costs only its own images."""
         return True
 
+    def score_inputs(self, x: RewardInputs) -> RewardOutput:
+        """Score the N checked items of `x` (what subclasses implement)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} implements none of score_inputs, score_with_components and score"
+        )
+
     def score_with_components(
         self,
         images: ImagesLike | None = None,
@@ -124,9 +154,17 @@ class RewardModel:
         responses: Sequence[str] | None = None,
         **fields: Sequence[Any],
     ) -> RewardOutput:
-        """Score N items; `images`, `prompts`, `responses` and each field have length N."""
-        scores = self.score(images=images, prompts=prompts, responses=responses, **fields)
-        return RewardOutput(scores=scores, components={self.name: list(scores)})
+        """Score N items; `images`, `prompts`, `responses` and each field have length N.
+
+        Checks the inputs against `requires` and one another, decodes the images once, and
+        hands them to `score_inputs`; a subclass that implements only `score` gets the inputs
+        as they are, and its scores are the one component, named after the model."""
+        if _overrides(self, "score") and not _overrides(self, "score_inputs"):
+            scores = self.score(images=images, prompts=prompts, responses=responses, **fields)
+            return RewardOutput(scores=scores, components={self.name: list(scores)})
+        n = self.check_inputs(images, prompts, responses, fields)
+        pil = None if images is None else as_pil_images(images)
+        return self.score_inputs(RewardInputs(n, pil, prompts, responses, dict(fields)))
 
     def score(
         self,
@@ -136,10 +174,6 @@ class RewardModel:
         **fields: Sequence[Any],
     ) -> list[float]:
         """The reward of each of N items (length N)."""
-        if type(self).score_with_components is RewardModel.score_with_components:
-            raise NotImplementedError(
-                f"{type(self).__name__} implements neither score nor score_with_components"
-            )
         return self.score_with_components(
             images=images, prompts=prompts, responses=responses, **fields
         ).scores
@@ -168,6 +202,11 @@ class RewardModel:
         return f"{type(self).__name__}(name={self.name!r}, device={self.device}, memory_bytes={self.memory_bytes()})"
 
 
+def _overrides(model: RewardModel, method: str) -> bool:
+    """Whether `model`'s class replaces `RewardModel.<method>`."""
+    return getattr(type(model), method) is not getattr(RewardModel, method)
+
+
 # --- registry ------------------------------------------------------------------------------
 _REGISTRY: dict[str, Callable[..., RewardModel]] = {}
 R = TypeVar("R", bound=Callable[..., RewardModel])
@@ -176,7 +215,8 @@ R = TypeVar("R", bound=Callable[..., RewardModel])
 def register_reward_model(name: str) -> Callable[[R], R]:
     """Decorator: register a `RewardModel` subclass (or a factory returning one) under `name`.
 
-    `get_reward_model(name, **kwargs)` then builds a fresh instance with `kwargs`.
+    `get_reward_model(name, **kwargs)` (`mmrl.rewards.catalog`) then builds a fresh instance
+    with `kwargs`.
     """
 
     def wrap(factory: R) -> R:
@@ -188,27 +228,6 @@ def register_reward_model(name: str) -> Callable[[R], R]:
         return factory
 
     return wrap
-
-
-def _load_builtins() -> None:
-    import mmrl.rewards  # noqa: F401 - importing the package registers the built-in models
-
-
-def get_reward_model(name: str, **kwargs: Any) -> RewardModel:
-    """A new instance of the reward model registered as `name`, built with `kwargs`."""
-    _load_builtins()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown reward model {name!r} (known: {', '.join(sorted(_REGISTRY))})")
-    model = _REGISTRY[name](**kwargs)
-    if not model.name:
-        model.name = name
-    return model
-
-
-def reward_model_names() -> list[str]:
-    """The registered reward-model names, sorted."""
-    _load_builtins()
-    return sorted(_REGISTRY)
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -234,6 +253,12 @@ def as_pil_images(images: ImagesLike) -> list[Image.Image]:
             images = (images.astype(np.float64) * 255).round().clip(0, 255).astype(np.uint8)
         return [Image.fromarray(a.squeeze(-1) if a.shape[-1] == 1 else a).convert("RGB") for a in images]
     return [_one_pil(img) for img in images]
+
+
+def batch_slices(n: int, size: int) -> Iterator[slice]:
+    """The slices [0:size], [size:2 size], ... that cover N items, for scoring in batches."""
+    for start in range(0, n, size):
+        yield slice(start, start + size)
 
 
 def _one_pil(image: Any) -> Image.Image:

@@ -17,33 +17,38 @@ clip_weights=".../open_clip_pytorch_model.bin")`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from mmrl.rewards.base import (
-    ImagesLike,
+    RewardInputs,
     RewardModel,
     RewardModelError,
     RewardOutput,
-    as_pil_images,
+    batch_slices,
     register_reward_model,
 )
 from mmrl.rewards.clip_models import ClipEncoder, load_clip, normalise
 
 
 class _ClipAgreement(RewardModel):
+    """CLIP text-image agreement; the registered subclasses differ in their default CLIP model
+    and backend (`clip_model` / `clip_backend` None: the class's) and in the logit scale."""
+
     requires = ("images",)
     use_logit_scale: bool = False
     prefix: str = ""
+    default_model: str = ""
+    """The `clip_model` when none is given ("": one must be)."""
+    default_backend: str = "open_clip"
+    """The `clip_backend` when none is given."""
 
     def __init__(
         self,
-        clip_model: str,
+        clip_model: str | None = None,
         clip_weights: str | Path | None = None,
-        clip_backend: str = "open_clip",
+        clip_backend: str | None = None,
         clip_processor: str | Path | None = None,
         scale: float = 1.0,
         device: str | torch.device = "cpu",
@@ -51,8 +56,13 @@ class _ClipAgreement(RewardModel):
         batch_size: int = 32,
     ):
         super().__init__(device)
+        clip_model = clip_model or self.default_model
+        if not clip_model:
+            raise ValueError(
+                f"{self.name}: clip_model=<a local CLIP folder, or an open_clip name> is required"
+            )
         self.clip: ClipEncoder = load_clip(
-            clip_model, clip_weights, clip_backend, clip_processor, device, dtype
+            clip_model, clip_weights, clip_backend or self.default_backend, clip_processor, device, dtype
         )
         self.scale = scale
         self.batch_size = batch_size
@@ -63,25 +73,18 @@ class _ClipAgreement(RewardModel):
     def cosines(self, images: list, texts: list[str]) -> torch.Tensor:
         """[N] cosine similarity of image i and text i."""
         out = []
-        for start in range(0, len(images), self.batch_size):
-            img = normalise(self.clip.embed_images(images[start : start + self.batch_size]))
-            txt = normalise(self.clip.embed_texts(texts[start : start + self.batch_size]))
+        for batch in batch_slices(len(images), self.batch_size):
+            img = normalise(self.clip.embed_images(images[batch]))
+            txt = normalise(self.clip.embed_texts(texts[batch]))
             out.append((img * txt).sum(-1).cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
     @torch.no_grad()
-    def score_with_components(
-        self,
-        images: ImagesLike | None = None,
-        prompts: Sequence[str] | None = None,
-        responses: Sequence[str] | None = None,
-        **fields: Sequence[Any],
-    ) -> RewardOutput:
-        self.check_inputs(images, prompts, responses, fields)
-        texts = fields.get("texts", prompts)
+    def score_inputs(self, x: RewardInputs) -> RewardOutput:
+        texts = x.fields.get("texts", x.prompts)
         if texts is None:
             raise RewardModelError(f"reward model {self.name!r} needs 'prompts' (or a 'texts' field)")
-        cos = self.cosines(as_pil_images(images), [str(t) for t in texts])
+        cos = self.cosines(x.images, [str(t) for t in texts])
         components = {f"{self.prefix}_cosine": cos.tolist()}
         logits = cos * (self.clip.logit_scale() if self.use_logit_scale else 1.0)
         if self.use_logit_scale:
@@ -91,44 +94,17 @@ class _ClipAgreement(RewardModel):
 
 @register_reward_model("clip_score")
 class ClipScore(_ClipAgreement):
-    """`scale * cos(CLIP image, CLIP text)`."""
+    """`scale * cos(CLIP image, CLIP text)`; by default open_clip's ViT-L-14-quickgelu."""
 
     prefix = "clip"
-
-    def __init__(
-        self,
-        clip_model: str = "ViT-L-14-quickgelu",
-        clip_weights: str | Path | None = None,
-        clip_backend: str = "open_clip",
-        clip_processor: str | Path | None = None,
-        scale: float = 1.0,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        batch_size: int = 32,
-    ):
-        super().__init__(
-            clip_model, clip_weights, clip_backend, clip_processor, scale, device, dtype, batch_size
-        )
+    default_model = "ViT-L-14-quickgelu"
 
 
 @register_reward_model("pickscore")
 class PickScore(_ClipAgreement):
-    """`scale * logit_scale * cos(CLIP image, CLIP text)` (PickScore_v1 through transformers)."""
+    """`scale * logit_scale * cos(CLIP image, CLIP text)` (PickScore_v1 through transformers, the
+    default backend; `clip_model` is required)."""
 
     use_logit_scale = True
     prefix = "pickscore"
-
-    def __init__(
-        self,
-        clip_model: str,
-        clip_weights: str | Path | None = None,
-        clip_backend: str = "transformers",
-        clip_processor: str | Path | None = None,
-        scale: float = 1.0,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-        batch_size: int = 32,
-    ):
-        super().__init__(
-            clip_model, clip_weights, clip_backend, clip_processor, scale, device, dtype, batch_size
-        )
+    default_backend = "transformers"

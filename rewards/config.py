@@ -4,30 +4,30 @@
 `RewardModelConfig` names an instance (what samples ask for), its registered type, and its
 constructor arguments, which are checked against the typed config of that type (`AestheticConfig`,
 ... below: one field per constructor argument, each documented) so that a misspelt key fails
-with the key named. `build_reward_models(cfg)` builds them all.
+with the key named. `build_reward_models(cfg)` (`mmrl.rewards.catalog`) builds them all.
+
+This module imports no torch (torch and the models are imported where they are built), so
+that `mmrl.config`, which holds `ModelRewardsConfig`, stays light.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from mmrl.rewards.base import RewardModel, get_reward_model
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
-class AestheticConfig:
-    """Constructor arguments of `aesthetic` (the LAION aesthetic predictor)."""
+class ClipConfig:
+    """The CLIP model a CLIP-based reward embeds with (the shared part of the configs below)."""
 
     clip_model: str = "ViT-L-14-quickgelu"
     """A built-in open_clip name, a local open_clip folder, or (transformers) a CLIPModel folder."""
     clip_weights: str | None = None
     """Local CLIP checkpoint file; None: the weights in the `clip_model` folder."""
-    head_weights: str | None = None
-    """Local file of the MLP head's state dict (`sac+logos+ava1-l14-linearMSE.pth`)."""
     clip_backend: str = "open_clip"
     """`open_clip` or `transformers`."""
     clip_processor: str | None = None
@@ -35,47 +35,37 @@ class AestheticConfig:
     dtype: str = "float32"
     """Weights dtype (`float32`, `bfloat16`, `float16`)."""
     batch_size: int = 32
-    """Images embedded per forward pass."""
+    """Items embedded per forward pass."""
 
 
 @dataclass
-class ClipScoreConfig:
+class AestheticConfig(ClipConfig):
+    """Constructor arguments of `aesthetic` (the LAION aesthetic predictor)."""
+
+    head_weights: str | None = None
+    """Local file of the MLP head's state dict (`sac+logos+ava1-l14-linearMSE.pth`)."""
+
+
+@dataclass
+class ClipScoreConfig(ClipConfig):
     """Constructor arguments of `clip_score` (`scale * cos(image, text)`)."""
 
-    clip_model: str = "ViT-L-14-quickgelu"
-    """A built-in open_clip name, a local open_clip folder, or (transformers) a CLIPModel folder."""
-    clip_weights: str | None = None
-    """Local CLIP checkpoint file; None: the weights in the `clip_model` folder."""
-    clip_backend: str = "open_clip"
-    """`open_clip` or `transformers`."""
-    clip_processor: str | None = None
-    """transformers only: a local processor folder, if not the model's own."""
     scale: float = 1.0
     """Multiplies the cosine (Hessel et al. use 2.5)."""
-    dtype: str = "float32"
-    """Weights dtype."""
-    batch_size: int = 32
-    """Pairs embedded per forward pass."""
 
 
 @dataclass
-class PickScoreConfig:
+class PickScoreConfig(ClipConfig):
     """Constructor arguments of `pickscore` (`scale * logit_scale * cos(image, text)`)."""
 
     clip_model: str = ""
     """The local PickScore_v1 folder (a transformers CLIPModel), or an open_clip model/folder."""
-    clip_weights: str | None = None
-    """Local checkpoint file; None: the weights in the `clip_model` folder."""
     clip_backend: str = "transformers"
     """`transformers` (PickScore_v1) or `open_clip`."""
     clip_processor: str | None = None
     """A local processor folder (PickScore uses CLIP-ViT-H-14-laion2B-s32B-b79K's)."""
     scale: float = 1.0
     """Multiplies the logit (flow-GRPO uses 1/26)."""
-    dtype: str = "float32"
-    """Weights dtype."""
-    batch_size: int = 32
-    """Pairs embedded per forward pass."""
 
 
 @dataclass
@@ -179,6 +169,8 @@ class ModelRewardsConfig:
 
 def accelerator_device(placement: PlacementConfig, policy_device: str | torch.device) -> torch.device:
     """The reward models' accelerator: `placement.accelerator`, where `auto` is the policy's."""
+    import torch
+
     return torch.device(policy_device if placement.accelerator == "auto" else placement.accelerator)
 
 
@@ -199,29 +191,10 @@ def check_kwargs(model_type: str, kwargs: dict[str, Any], where: str = "kwargs")
     if out.get("image_rubric") == "":
         out.pop("image_rubric")
     if isinstance(out.get("dtype"), str):
+        import torch
+
         dtype = getattr(torch, out["dtype"], None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{where}.dtype: unknown dtype {out['dtype']!r}")
         out["dtype"] = dtype
     return out
-
-
-def build_reward_models(
-    cfg: ModelRewardsConfig, policy_device: str | torch.device = "cpu"
-) -> dict[str, RewardModel]:
-    """Build every configured reward model, by name, on its device (`placement.accelerator`;
-    `auto`: `policy_device`)."""
-    models: dict[str, RewardModel] = {}
-    for i, model_cfg in enumerate(cfg.models):
-        where = f"reward.models[{i}]"
-        if not model_cfg.name:
-            raise ValueError(f"{where}.name: missing")
-        if model_cfg.name in models:
-            raise ValueError(f"{where}.name: {model_cfg.name!r} is configured twice")
-        model_type = model_cfg.type or model_cfg.name
-        kwargs = check_kwargs(model_type, model_cfg.kwargs, f"{where}.kwargs")
-        device = model_cfg.device or accelerator_device(cfg.placement, policy_device)
-        model = get_reward_model(model_type, device=device, **kwargs)
-        model.name = model_cfg.name
-        models[model_cfg.name] = model
-    return models

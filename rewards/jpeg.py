@@ -8,16 +8,12 @@ cheap and run on the host, whatever device they are configured with (Black et al
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import torch
 
 from mmrl.rewards.base import (
-    ImagesLike,
+    RewardInputs,
     RewardModel,
     RewardOutput,
-    as_pil_images,
     jpeg_size_kb,
     register_reward_model,
 )
@@ -36,15 +32,8 @@ class _JpegSize(RewardModel):
             raise ValueError(f"{self.name}: JPEG quality must be in [1, 100], got {quality}")
         self.quality = quality
 
-    def score_with_components(
-        self,
-        images: ImagesLike | None = None,
-        prompts: Sequence[str] | None = None,
-        responses: Sequence[str] | None = None,
-        **fields: Sequence[Any],
-    ) -> RewardOutput:
-        self.check_inputs(images, prompts, responses, fields)
-        sizes = [jpeg_size_kb(image, self.quality) for image in as_pil_images(images)]
+    def score_inputs(self, x: RewardInputs) -> RewardOutput:
+        sizes = [jpeg_size_kb(image, self.quality) for image in x.images]
         return RewardOutput(scores=[self.sign * s for s in sizes], components={"jpeg_kb": sizes})
 
 

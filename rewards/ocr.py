@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from mmrl.rewards.base import (
-    ImagesLike,
+    RewardInputs,
     RewardModel,
     RewardModelError,
     RewardOutput,
-    as_pil_images,
     register_reward_model,
 )
 from mmrl.verifiers.text import levenshtein
@@ -106,28 +104,21 @@ class OcrReward(RewardModel):
                 total += os.path.getsize(path)
         return total
 
-    def score_with_components(
-        self,
-        images: ImagesLike | None = None,
-        prompts: Sequence[str] | None = None,
-        responses: Sequence[str] | None = None,
-        **fields: Sequence[Any],
-    ) -> RewardOutput:
-        n = self.check_inputs(images, prompts, responses, fields)
-        targets = fields.get("texts")
+    def score_inputs(self, x: RewardInputs) -> RewardOutput:
+        targets = x.fields.get("texts")
         if targets is None:
-            if prompts is None:
+            if x.prompts is None:
                 raise RewardModelError("reward model 'ocr' needs a 'texts' field or prompts with quoted text")
             targets = []
-            for i, prompt in enumerate(prompts):
+            for i, prompt in enumerate(x.prompts):
                 target = target_from_prompt(prompt)
                 if not target or not target.strip():
                     raise RewardModelError(f"ocr: prompt {i} has no double-quoted text to render: {prompt!r}")
                 targets.append(target)
-        texts = [self.read(image) for image in as_pil_images(images)]
+        texts = [self.read(image) for image in x.images]
         self.last_texts = texts
         scores = [ocr_reward(text, str(target)) for text, target in zip(texts, targets)]
-        assert len(scores) == n
+        assert len(scores) == x.n
         return RewardOutput(
             scores=scores, components={"ocr": list(scores), "ocr_chars": [float(len(t)) for t in texts]}
         )

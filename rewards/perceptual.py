@@ -21,9 +21,7 @@ generated image's size with bicubic filtering when they differ). Components: `lp
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,12 +29,13 @@ import torch.nn.functional as F
 from PIL import Image
 
 from mmrl.rewards.base import (
-    ImagesLike,
+    RewardInputs,
     RewardModel,
     RewardModelError,
     RewardOutput,
     WeightsFileError,
     as_pil_images,
+    batch_slices,
     load_state_dict_file,
     register_reward_model,
 )
@@ -104,16 +103,9 @@ class PerceptualReward(RewardModel):
     def torch_modules(self) -> dict[str, torch.nn.Module]:
         return {"lpips": self._lpips} if self._lpips is not None else {}
 
-    def score_with_components(
-        self,
-        images: ImagesLike | None = None,
-        prompts: Sequence[str] | None = None,
-        responses: Sequence[str] | None = None,
-        **fields: Sequence[Any],
-    ) -> RewardOutput:
-        self.check_inputs(images, prompts, responses, fields)
-        pil = as_pil_images(images)
-        refs = fields["references"]
+    def score_inputs(self, x: RewardInputs) -> RewardOutput:
+        pil = x.images
+        refs = x.fields["references"]
         if len(refs) != len(pil):
             raise RewardModelError(f"perceptual: {len(refs)} references for {len(pil)} images")
         ref_pil = []
@@ -123,14 +115,13 @@ class PerceptualReward(RewardModel):
             r = as_pil_images([ref])[0]
             ref_pil.append(r if r.size == image.size else r.resize(image.size, Image.BICUBIC))
         scores: list[float] = []
-        for start in range(0, len(pil), self.batch_size):
-            x = _to_tensor(pil[start : start + self.batch_size])
-            y = _to_tensor(ref_pil[start : start + self.batch_size])
+        for batch in batch_slices(len(pil), self.batch_size):
+            a, b = _to_tensor(pil[batch]), _to_tensor(ref_pil[batch])
             if self._lpips is None:
-                scores += ssim(x.double(), y.double()).tolist()
+                scores += ssim(a.double(), b.double()).tolist()
             else:
                 with torch.no_grad():
-                    d = self._lpips(x.to(self._device) * 2 - 1, y.to(self._device) * 2 - 1)
+                    d = self._lpips(a.to(self._device) * 2 - 1, b.to(self._device) * 2 - 1)
                 scores += (-d.flatten().float().cpu()).tolist()
         name = "ssim" if self._lpips is None else "lpips_distance"
         parts = scores if self._lpips is None else [-s for s in scores]

@@ -128,6 +128,17 @@ class RewardPlacement:
         self.before_scoring()
         yield
 
+    def score_rows(
+        self, samples: list, responses: list[str], failures: dict[int, tuple[str, str]]
+    ) -> list[dict[str, float]]:
+        """`score_model_rewards` of the rows with every model ready on its scoring device
+        (failing rows go to `failures`). A remote placement (the Ray backend's reward workers,
+        `mmrl.distributed.ray_backend.RayModelRewards`) has the same method."""
+        from mmrl.rewards.router_bridge import score_model_rewards
+
+        with self.scoring():
+            return score_model_rewards(samples, responses, None, self.models, failures)
+
     def resident_bytes(self) -> int:
         """Accelerator memory the reward models keep during the update."""
         return sum(self.memory[n] for n in self.resident)

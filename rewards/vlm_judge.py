@@ -31,6 +31,7 @@ import torch
 
 from mmrl.rewards.base import (
     ImagesLike,
+    RewardInputs,
     RewardModel,
     RewardModelError,
     RewardOutput,
@@ -215,19 +216,14 @@ class VLMJudge(RewardModel):
                     outputs[i] = text
         return outputs
 
-    def score_with_components(
-        self,
-        images: ImagesLike | None = None,
-        prompts: Sequence[str] | None = None,
-        responses: Sequence[str] | None = None,
-        **fields: Sequence[Any],
-    ) -> RewardOutput:
-        self.check_inputs(images, prompts, responses, fields)
-        if responses is None and (images is None or prompts is None):
+    def score_inputs(self, x: RewardInputs) -> RewardOutput:
+        if x.responses is None and (x.images is None or x.prompts is None):
             raise RewardModelError(
                 "vlm_judge needs responses (to grade answers) or images and prompts (to grade images)"
             )
-        outputs = self.generate(self.build_samples(images, prompts, responses, fields.get("references")))
+        outputs = self.generate(
+            self.build_samples(x.images, x.prompts, x.responses, x.fields.get("references"))
+        )
         parsed = [parse_judge_score(text, self.low, self.high) for text in outputs]
         self.last_outputs = outputs
         self.last_errors = [p.error for p in parsed]

@@ -63,6 +63,8 @@ KEEP_TOGETHER = {
     "test_training.py",
     "test_trackers.py",
     "test_distributed_ray.py",
+    "test_distributed_ray_cluster.py",
+    "test_distributed_multistep.py",
     "test_deepspeed.py",
     "test_server.py",
     "test_server_guard.py",

@@ -24,8 +24,9 @@ from mmrl.algos.losses import (
 from mmrl.algos.tis import tis_weights
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gdpo", "opo", "gpg"]
-# Checked in tests/test_algos_rest.py: remax needs a greedy baseline, pass_at_k binary rewards.
-OTHER_ESTIMATORS = ["remax", "pass_at_k"]
+# Checked in tests/test_algos_rest.py: remax needs a greedy baseline, pass_at_k binary rewards;
+# grpo_passk (G >= 2) in tests/test_fidelity_formulas.py.
+OTHER_ESTIMATORS = ["remax", "pass_at_k", "grpo_passk"]
 LOSSES = ["ppo", "gspo", "cispo", "cispo_seq", "gmpo", "sapo", "gpg"]
 # Two prompts, G = 4: group 0 is [1, 0, 0, 0], group 1 is [1, 1, 0, 0].
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])

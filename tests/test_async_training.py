@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from mmrl.compose import train
 from mmrl.config import load_config
 from mmrl.train.async_grpo import StalenessBoundedPipeline
-from mmrl.train.grpo import train
 
 WAIT_S = 30.0
 """How long a fake trainer waits for an event that must happen (a liveness guard, never a

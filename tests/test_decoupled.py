@@ -23,7 +23,7 @@ from mmrl.models.planner import (
     plan_accuracy,
     withheld_words,
 )
-from mmrl.train.decoupled_config import load_decoupled_config
+from mmrl.train.flow_config import load_decoupled_config
 from mmrl.train.metrics_log import read_metrics
 
 

@@ -20,11 +20,12 @@ import sys
 import pytest
 import torch
 
+from mmrl.compose import train
 from mmrl.config import config_to_yaml, load_config
 from mmrl.datasets.procedural import make_samples
 from mmrl.models.loading import load_policy
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
-from mmrl.train.grpo import make_trainee, train
+from mmrl.train.grpo import make_trainee
 from mmrl.train.preflight import plan_resume
 
 # -- the config checks (no DeepSpeed needed) --------------------------------------------------
@@ -48,10 +49,6 @@ from mmrl.train.preflight import plan_resume
         (
             ["trainer.strategy=deepspeed", "trainer.mode=async", "algo.tis=token"],
             "trainer.strategy=deepspeed runs with trainer.mode=sync",
-        ),
-        (
-            ["trainer.strategy=deepspeed", "model.lora_rank=8"],
-            "model.lora_rank > 0 needs trainer.strategy=fsdp2",
         ),
         (
             ["trainer.strategy=deepspeed", "model.dtype=bfloat16", "model.master_dtype=bfloat16"],
@@ -395,3 +392,82 @@ def test_a_short_ray_run_trains_with_a_two_process_zero3_group(
         "optimizer"
     ]
     assert optimizer["step"] == 4 and optimizer["master"].keys() == optimizer["exp_avg"].keys()
+
+
+@pytest.mark.slow
+def test_the_local_engine_trains_lora_adapters_as_the_plain_trainer(deepspeed, step_files):
+    """LoRA under the local one-process engine (ZeRO-2): the same adapters (drawn from the same
+    seed) take the plain LoRA trainer's update; the KL reference is the base model (the adapters
+    disabled through the engine), whose log-probs are the untrained model's."""
+    from mmrl.distributed.deepspeed_group import make_deepspeed_trainee
+
+    lora = [*OVERRIDES, "model.lora_rank=4", "optim.lr=1e-2"]
+    cfg = load_config("vision_reasoning", overrides=lora)
+    ds_cfg = load_config("vision_reasoning", overrides=[*lora, "trainer.strategy=deepspeed"])
+    batch, advantages = step_files["batch"], step_files["advantages"]
+    results = []
+    for make, c in ((make_trainee, cfg), (make_deepspeed_trainee, ds_cfg)):
+        torch.manual_seed(5)  # the adapters' initial A
+        t = make(c, load_policy(step_files["dir"]))
+        try:
+            old, ref = t.old_and_ref_logprobs(c, batch)
+            metrics = t.update_policy(c, batch, advantages, old, ref, None)
+            trained = {n: p.detach().clone() for n, p in t.policy.model.named_parameters() if p.requires_grad}
+        finally:
+            t.close()
+        assert trained and all(".lora_" in n for n in trained)
+        results.append((ref, metrics, trained))
+    (ref, metrics, trained), (ds_ref, ds_metrics, ds_trained) = results
+    torch.testing.assert_close(ref, step_files["old"], atol=1e-6, rtol=0)  # the base model's
+    torch.testing.assert_close(ds_ref, ref, atol=1e-6, rtol=0)
+    assert ds_metrics["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    assert ds_metrics["actor/pg_loss"] == pytest.approx(metrics["actor/pg_loss"], rel=1e-5)
+    assert trained.keys() == ds_trained.keys()
+    # B starts at 0: how far the update moved the adapters.
+    assert max(float(v.abs().max()) for n, v in trained.items() if "lora_B" in n) > 10 * LORA_ATOL
+    worst = max(float((ds_trained[n] - trained[n]).abs().max()) for n in trained)
+    assert worst <= LORA_ATOL, f"adapters differ by up to {worst:.2e}"
+
+
+# PARAM_ATOL's bound (2% of one step) at LoRA's learning rate, 1e-2: 2e-4. Measured 2.4e-5.
+LORA_ATOL = 2e-4
+
+
+@pytest.mark.slow
+def test_a_ray_run_with_a_zero3_lora_group_resumes_exactly(deepspeed, tmp_path, tmp_path_factory, step_files):
+    """The Ray backend's resume with DeepSpeed: each process of a new ZeRO-3 group gets the
+    checkpoint's adapters and the consolidated optimizer state (`DeepSpeedLearner.load_state`);
+    2 steps in one run and 1 + 1 with a resume in between give the same metrics and adapters."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))  # fmt: skip
+    common = [*SMALL_RUN, f"model.path={step_files['dir']}", "trainer.checkpoint_every=1", "trainer.keep_last=0",
+              "trainer.backend=ray", "trainer.train_workers=2", "trainer.ray_cpus_per_actor=0.5",
+              "trainer.zero_stage=3", "model.lora_rank=4", "optim.lr=1e-2", "algo.kl_coef=0.05"]  # fmt: skip
+    try:
+        whole = train(load_config("vision_reasoning", overrides=[*common, "trainer.total_steps=2",
+                                                                 f"trainer.run_dir={tmp_path / 'whole'}"]))  # fmt: skip
+        part = [*common, f"trainer.run_dir={tmp_path / 'part'}"]
+        train(load_config("vision_reasoning", overrides=[*part, "trainer.total_steps=1"]))
+        resumed = train(
+            load_config("vision_reasoning", overrides=[*part, "trainer.total_steps=2", "trainer.resume=auto"])
+        )
+    finally:
+        ray.shutdown()
+    assert resumed.steps == 2
+    assert _metrics(tmp_path / "part") == _metrics(whole.run_dir)
+    steps = [r for r in _metrics(whole.run_dir) if "actor/grad_norm" in r]
+    assert len(steps) == 2 and all(r["actor/grad_norm"] > 0 for r in steps)
+    from safetensors.torch import load_file
+
+    ckpt = "checkpoints/step_00000002/model/adapter_model.safetensors"
+    a, b = load_file(tmp_path / "part" / ckpt), load_file(whole.run_dir / ckpt)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sa = torch.load(tmp_path / "part/checkpoints/step_00000002/trainer_state.pt", weights_only=False)
+    sb = torch.load(whole.run_dir / "checkpoints/step_00000002/trainer_state.pt", weights_only=False)
+    assert sa["optimizer"]["step"] == sb["optimizer"]["step"] == 4  # 2 steps x 2 mini-batches
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert sa["optimizer"][key].keys() == sb["optimizer"][key].keys()
+        assert all(
+            torch.equal(sa["optimizer"][key][n], sb["optimizer"][key][n]) for n in sb["optimizer"][key]
+        ), key

@@ -15,6 +15,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from mmrl.compose import train  # noqa: E402
 from mmrl.config import load_config  # noqa: E402
 from mmrl.datasets.procedural import make_samples  # noqa: E402
 from mmrl.distributed.ray_backend import (  # noqa: E402
@@ -26,7 +27,6 @@ from mmrl.distributed.ray_backend import (  # noqa: E402
 )
 from mmrl.rollout.hf import SamplingParams  # noqa: E402
 from mmrl.router import Router  # noqa: E402
-from mmrl.train.grpo import train  # noqa: E402
 from mmrl.types import VerifyContext  # noqa: E402
 
 pytestmark = pytest.mark.slow

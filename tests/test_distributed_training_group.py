@@ -56,16 +56,27 @@ def _overrides(cfg) -> list[str]:
             f"trainer.mini_batches={t.mini_batches}"]  # fmt: skip
 
 
-def test_merged_metrics_weight_each_process_by_its_tokens_or_loss_share():
-    a = {"actor/pg_loss": 1.0, "actor/entropy": 2.0, "actor/ratio_min": 0.9, "actor/ratio_max": 1.1,
-         "actor/grad_norm": 2.0, "actor/skipped_steps": 0.0}  # fmt: skip
-    b = {"actor/pg_loss": 4.0, "actor/entropy": 1.0, "actor/ratio_min": 0.8, "actor/ratio_max": 1.3,
-         "actor/grad_norm": 2.0, "actor/skipped_steps": 1.0}  # fmt: skip
-    merged = merge_metrics([(a, 30.0, 0.75), (b, 10.0, 0.25)])
-    assert merged["actor/pg_loss"] == pytest.approx(1.0 * 0.75 + 4.0 * 0.25)
-    assert merged["actor/entropy"] == pytest.approx((2.0 * 30 + 1.0 * 10) / 40)
+def test_merged_metrics_weight_each_process_by_its_tokens_or_loss_share_per_mini_batch():
+    # Two processes, two mini-batches. Mini-batch 0: process 0 holds 3/4 of the loss denominator,
+    # process 1 a quarter; mini-batch 1: a half each.
+    def m(pg, ent, lo, hi, skipped=0.0, norm=2.0):
+        return {"actor/pg_loss": pg, "actor/entropy": ent, "actor/ratio_min": lo, "actor/ratio_max": hi,
+                "actor/grad_norm": norm, "actor/skipped_steps": skipped}  # fmt: skip
+
+    p0 = [(m(1.0, 2.0, 0.9, 1.1), 30.0, 0.75), (m(-2.0, 1.0, 0.95, 1.0, norm=4.0), 20.0, 0.5)]
+    p1 = [(m(4.0, 1.0, 0.8, 1.3), 10.0, 0.25), (m(6.0, 3.0, 0.9, 1.2, norm=4.0), 20.0, 0.5)]
+    merged = merge_metrics([p0, p1])
+    # Each mini-batch's loss is the share-weighted sum (1.75 and 2.0); the step's, their mean.
+    assert merged["actor/pg_loss"] == pytest.approx((1.0 * 0.75 + 4.0 * 0.25 + (-2.0 * 0.5 + 6.0 * 0.5)) / 2)
+    # Token-weighted over every token of the step.
+    assert merged["actor/entropy"] == pytest.approx((2.0 * 30 + 1.0 * 10 + 1.0 * 20 + 3.0 * 20) / 80)
     assert (merged["actor/ratio_min"], merged["actor/ratio_max"]) == (0.8, 1.3)
-    assert (merged["actor/grad_norm"], merged["actor/skipped_steps"]) == (2.0, 1.0)
+    assert merged["actor/grad_norm"] == pytest.approx(3.0) and merged["actor/skipped_steps"] == 0.0
+    # A skipped step (its norm not finite) counts once and leaves the norm's mean.
+    p1[1] = (m(6.0, 3.0, 0.9, 1.2, skipped=1.0, norm=float("nan")), 20.0, 0.5)
+    p0[1] = (m(-2.0, 1.0, 0.95, 1.0, skipped=1.0, norm=float("nan")), 20.0, 0.5)
+    merged = merge_metrics([p0, p1])
+    assert merged["actor/skipped_steps"] == 1.0 and merged["actor/grad_norm"] == pytest.approx(2.0)
 
 
 # The end-to-end check: the tiny Qwen2-VL, 4 prompts x 4 responses, 2 mini-batches (2 optimizer

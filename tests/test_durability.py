@@ -270,6 +270,91 @@ def test_resuming_with_more_total_steps_is_allowed_and_logged(tmp_path, caplog):
     assert "trainer.total_steps changed: 200 -> 400" in caplog.text
 
 
+# -- issue 36, point 9: each proven through the entry points a user reaches -----------------
+
+
+def test_an_empty_files_table_is_refused_by_resume_auto_and_by_an_explicit_resume(tmp_path, no_model):
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir)
+    create_run_dir(cfg)
+    only = _save(run_dir, 2, cfg)
+    manifest = json.loads((only / "manifest.json").read_text())
+    (only / "manifest.json").write_text(json.dumps({**manifest, "files": {}}))
+    before = _digest(run_dir)
+    with pytest.raises(ValueError, match="every checkpoint .*step_00000002: manifest.json lists no files"):
+        train(_cfg(run_dir, "trainer.resume=auto"))
+    with pytest.raises(
+        ValueError, match=f"trainer.resume={only}: not a usable checkpoint: manifest.json lists no"
+    ):
+        train(_cfg(run_dir, f"trainer.resume={only}"))
+    assert _digest(run_dir) == before  # refused, not loaded (no_model: nothing was built either)
+
+
+def test_a_truncated_model_file_is_refused(tmp_path, no_model, caplog):
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir)
+    create_run_dir(cfg)
+    older, newest = _save(run_dir, 2, cfg), _save(run_dir, 4, cfg)
+    weights = newest / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # a crash or a full disk mid-copy
+    problem = verify_checkpoint(newest)
+    assert problem == "model/model.safetensors has 1000 bytes, the manifest says 4096 (truncated?)"
+    with caplog.at_level(logging.WARNING):
+        assert plan_resume(_cfg(run_dir, "trainer.resume=auto"), run_dir) == older
+    assert "skipping damaged checkpoint" in caplog.text and "model.safetensors" in caplog.text
+    with pytest.raises(ValueError, match="not a usable checkpoint: model/model.safetensors has 1000 bytes"):
+        train(_cfg(run_dir, f"trainer.resume={newest}"))
+
+
+def test_a_run_folder_that_turns_read_only_during_a_checkpoint_write_is_named(tmp_path, monkeypatch):
+    import os
+
+    run_dir = tmp_path / "run"
+    good = _save(run_dir, 1)
+    before = _digest(good)
+    real_mkdir = os.mkdir
+
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(run_dir)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only)  # the first thing a checkpoint write does
+    with pytest.raises(StorageError) as info:
+        _save(run_dir, 2)
+    message = str(info.value)
+    assert "cannot write checkpoint step 2 to" in message and str(run_dir / "checkpoints") in message
+    assert "the file system is read-only (EROFS" in message
+    assert f"the last good checkpoint {good} is intact" in message
+    assert _digest(good) == before and [c.step for c in list_checkpoints(run_dir)] == [1]
+
+
+def test_a_21_mb_prompt_is_refused_at_load_time_naming_file_line_and_id(tmp_path):
+    path = _records(tmp_path)
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[2])
+    record["prompt"][-1]["content"] += "y" * (21 * 1024 * 1024)
+    lines[2] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SampleError) as info:
+        read_samples(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:3") and f"id={record['extra_info']['id']}" in message
+    assert "22,0" in message and "more than the limit of 200,000" in message
+
+
+def test_a_ray_run_may_resume_on_a_cluster_at_another_address(tmp_path, caplog):
+    """A restarted Ray cluster may have another head: the address is where the run goes on,
+    not what it learns."""
+    run_dir = tmp_path / "run"
+    base = ["trainer.backend=ray", "trainer.ray_address=10.0.0.1:6379"]
+    checkpoint = _save(run_dir, 2, _cfg(run_dir, *base))
+    moved = _cfg(run_dir, *base, "trainer.resume=auto", "trainer.ray_address=10.0.0.2:6379")
+    with caplog.at_level(logging.WARNING):
+        assert plan_resume(moved, run_dir) == checkpoint
+    assert "trainer.ray_address changed" in caplog.text
+
+
 # -- sample files ---------------------------------------------------------------------------
 
 

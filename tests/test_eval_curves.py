@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mmrl.eval.command import add_eval_arguments, run_eval_command
 from mmrl.eval.config import CurveConfig, EvalConfig
 from mmrl.eval.curves import (
     fit_run,
@@ -22,7 +23,6 @@ from mmrl.eval.curves import (
     run_curve_data,
     saturating_curve,
 )
-from mmrl.eval.runner import add_eval_arguments, run_eval_command
 from mmrl.eval.suite import SuiteError, load_suite
 
 # --------------------------------------------------------------------------- pass@k

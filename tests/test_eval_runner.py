@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 
-from mmrl.eval import runner as runner_module
 from mmrl.eval.builtin import BUILTIN_TASKS, write_builtin_suite
+from mmrl.eval.command import add_eval_arguments, run_eval_command
 from mmrl.eval.config import EvalConfig
-from mmrl.eval.runner import add_eval_arguments, evaluate_suite, run_eval_command, run_suite
+from mmrl.eval.runner import evaluate_suite, run_suite
 from mmrl.eval.suite import load_suite
 from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm
 from mmrl.rollout.hf import HFRolloutEngine
@@ -284,8 +284,44 @@ def test_tiny_model_on_the_builtin_suite_writes_outputs_and_resumes(tiny_model_d
     assert json.loads((out / "results.json").read_text())["generated"] == 0
 
 
-def test_runner_module_exposes_the_cli_hooks():
-    assert callable(runner_module.add_eval_arguments) and callable(runner_module.run_eval_command)
+def test_the_command_module_turns_arguments_into_the_config():
+    from mmrl.eval.command import config_from_args
+
     args = _parse(["--model", "m", "--max-queries", "3", "--tasks", "a", "b", "--pass-k", "4"])
-    cfg = runner_module.config_from_args(args)
+    cfg = config_from_args(args)
     assert cfg.max_queries == 3 and cfg.tasks == ("a", "b") and cfg.pass_k == 4 and cfg.output_dir == "eval-m"
+
+
+def test_mmrl_eval_names_metrics_skipped_for_a_missing_package_on_the_console(tmp_path, monkeypatch, capsys):
+    """The install hint of a metric whose package is missing used to be only in results.json."""
+    import mmrl.eval.command as command
+    import mmrl.eval.runner as runner
+    from mmrl.cli import build_parser
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "suite").mkdir()
+    error = "needs the rapidfuzz package (pip install 'mmrl[megabench]')"
+    result = runner.EvalResult(
+        summary={"overall": 0.5, "core": 0.5, "open": None, "num_tasks": {"core": 1, "open": 0}, "num_queries": 3,
+                 "skipped": {"unavailable_metric": 2}},
+        tasks=[],
+        breakdown={},
+        skipped_queries=[{"task": "t", "query_idx": i, "reason": "unavailable_metric", "error": error} for i in (0, 1)],
+    )  # fmt: skip
+    monkeypatch.setattr(command, "load_suite", lambda *a, **k: None)
+    monkeypatch.setattr(command, "run_suite", lambda *a, **k: result)
+    args = build_parser("eval").parse_args(
+        [
+            "eval",
+            "--model",
+            str(tmp_path / "model"),
+            "--suite",
+            str(tmp_path / "suite"),
+            "--output",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert command.run_eval_command(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"2 queries skipped: {error}"

@@ -114,6 +114,7 @@ class _Shapes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[torch.dtype] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -121,6 +122,7 @@ class _Shapes(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and not aliases:
                 self.shapes.append(tuple(t.shape))
+                self.dtypes.append(t.dtype)
         return out
 
 
@@ -144,6 +146,132 @@ def test_the_log_prob_pass_never_creates_logits_beyond_one_chunk(tiny_policy):
         assert vocab_sized, "the head must have run"
         biggest = max(torch.Size(s).numel() for s in vocab_sized)
         assert biggest <= chunk * V, (share, max(vocab_sized, key=lambda s: torch.Size(s).numel()))
+
+
+class _LiveBytes(TorchDispatchMode):
+    """A CPU stand-in for `torch.cuda.max_memory_allocated`: the bytes of every storage an op
+    allocates (views and in-place results allocate nothing) are counted from its creation until
+    it is freed (a finalizer on the storage, which lives as long as any tensor viewing it), and
+    the peak of the running total is kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = 0, 0
+        self._alive: set[int] = set()
+
+    def _free(self, ptr: int, nbytes: int) -> None:
+        self._alive.discard(ptr)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if ptr in self._alive or nbytes == 0:
+                continue
+            self._alive.add(ptr)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, ptr, nbytes)
+        return out
+
+
+def _mixed_precision_head(T: int, H: int, V: int):
+    """The head as mixed-precision training runs it: a float32 master weight, bfloat16 hidden
+    states, autocast to bfloat16 (as in the CUDA test at the end, on the CPU)."""
+    torch.manual_seed(0)
+    h = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
+    W = (0.1 * torch.randn(V, H)).requires_grad_()
+    targets = torch.randint(0, V, (T,))
+    return h, W, targets
+
+
+def _head_pass(h, W, targets, chunk, entropy: bool = True):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, ent = head_logprobs(h, W, targets, None, 1.0, chunk=chunk)
+    (logp.sum() + (ent.sum() if entropy else 0.0)).backward()
+
+
+@pytest.mark.parametrize("entropy", [True, False])
+def test_the_log_prob_pass_peaks_at_a_few_chunks_beyond_its_gradients_on_the_cpu(entropy):
+    """The CPU proxy of the CUDA test at the end, at its geometry (T / chunk = 18.6, so 1/8 of
+    the full logits is 2.3 chunks): beyond the gradients it returns and autocast's bfloat16 copy
+    of the weight, the pass holds under 2 chunks of float32 logits. (Before the backward freed its
+    last chunk's probabilities and took the log-sum-exp in row blocks it held 3.3 chunks: the
+    437 MB the CUDA test measured against its bound of 311 MB.)"""
+    T, H, V, chunk = 520, 32, 4096, 28
+    h, W, targets = _mixed_precision_head(T, H, V)
+    with _LiveBytes() as memory:
+        _head_pass(h, W, targets, chunk, entropy)
+    unavoidable = W.numel() * 4 + h.numel() * 2 + W.numel() * 2  # W.grad, h.grad, bf16 copy of W
+    one_chunk = chunk * V * 4
+    assert W.grad.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
+    extra = memory.peak - unavoidable
+    assert extra < T * V * 4 / 8, (memory.peak, unavoidable, extra / one_chunk)
+    assert extra < 2 * one_chunk, extra / one_chunk
+
+
+def test_gradient_accumulation_adds_into_the_head_weights_grad_without_a_second_one():
+    """A second micro-batch's backward adds into `W.grad` in place: no [V, H] float32 tensor is
+    created (autograd would otherwise add a fresh one to the first: 1.16 GiB at a 2B model's
+    vocabulary), and the sum is the two passes' gradients."""
+    T, H, V, chunk = 64, 16, 512, 8
+    h, W, targets = _mixed_precision_head(T, H, V)
+    _head_pass(h[:32], W, targets[:32], chunk)
+    first = W.grad.clone()
+    grad_storage = W.grad.data_ptr()
+    with _Shapes() as record:
+        _head_pass(h[32:], W, targets[32:], chunk)
+    made = list(zip(record.shapes, record.dtypes))
+    assert ((V, H), torch.float32) not in made, "a [V, H] float32 gradient was materialised"
+    assert made.count(((V, H), torch.bfloat16)) == 2  # autocast's copy of W, forward and backward
+    assert W.grad.data_ptr() == grad_storage  # the same tensor, added to
+    W.grad = None
+    _head_pass(h[32:], W, targets[32:], chunk)
+    second = W.grad.clone()
+    W.grad = None
+    _head_pass(h[:32], W, targets[:32], chunk)
+    _head_pass(h[32:], W, targets[32:], chunk)
+    torch.testing.assert_close(W.grad, first + second, atol=1e-6, rtol=1e-6)
+
+
+def test_the_head_gradient_is_returned_to_autograd_where_the_accumulation_is_watched():
+    """Where adding into `.grad` directly would bypass something, the gradient goes back through
+    autograd as before: a post-accumulate hook (DeepSpeed ZeRO's) still fires with the whole
+    gradient; `torch.autograd.grad` returns it and leaves `.grad` alone; a bfloat16 weight gets
+    a bfloat16 gradient summed in float32."""
+    T, H, V, chunk = 24, 8, 64, 5
+    h, W, targets = _mixed_precision_head(T, H, V)
+    _head_pass(h, W, targets, chunk)
+    expected = W.grad.clone()
+
+    W.grad = None
+    seen = []
+    handle = W.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    _head_pass(h, W, targets, chunk)
+    handle.remove()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], expected)
+
+    W.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, ent = head_logprobs(h, W, targets, None, 1.0, chunk=chunk)
+    (got,) = torch.autograd.grad(logp.sum() + ent.sum(), [W])
+    assert W.grad is None
+    torch.testing.assert_close(got, expected)
+
+    W16 = W.detach().to(torch.bfloat16).requires_grad_()
+    logp, ent = head_logprobs(h.detach(), W16, targets, None, 1.0, chunk=chunk)
+    (logp.sum() + ent.sum()).backward()
+    assert W16.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(W16.grad.float(), expected, atol=0.05, rtol=0.05)
 
 
 # ---------------------------------------------------------------------------- devices
@@ -212,6 +340,7 @@ STEP_MODULES = [
     "mmrl/train/forward.py",
     "mmrl/train/batching.py",
     "mmrl/rollout/hf.py",
+    "mmrl/rollout/decode.py",
     "mmrl/algos/advantages.py",
     "mmrl/algos/losses.py",
     "mmrl/algos/kl.py",
@@ -631,6 +760,27 @@ def test_on_a_gpu_the_log_prob_pass_peaks_at_a_few_chunks():
     full = T * V * 4
     assert W.grad.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
     assert peak - unavoidable < full / 8, (peak, unavoidable, full)
+
+
+@cuda
+def test_on_a_gpu_a_second_micro_batch_adds_into_the_head_gradient():
+    """Gradient accumulation: with `W.grad` already there, the next backward adds into it in
+    place, so the peak above what is held already stays a few chunks (a fresh [V, H] float32
+    gradient would alone be 622 MB here, twice the bound)."""
+    T, H, V = 4096, 1024, 151_936
+    h = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    W = torch.randn(V, H, device="cuda", dtype=torch.float32, requires_grad=True)
+    targets = torch.randint(0, V, (T,), device="cuda")
+    for _ in range(2):  # two micro-batches; the second is measured
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()  # the second time: W.grad and h.grad included
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logp, ent = head_logprobs(h, W, targets, None, 1.0)
+        (logp.sum() + ent.sum()).backward()
+        peak = torch.cuda.max_memory_allocated() - base
+    unavoidable = h.numel() * 2 + W.numel() * 2  # autograd's h gradient to add, bf16 copy of W
+    assert peak - unavoidable < T * V * 4 / 8, (peak, unavoidable)
 
 
 def test_the_optimizers_are_fused_where_torch_has_the_kernel(tmp_path):

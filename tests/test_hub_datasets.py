@@ -214,3 +214,108 @@ def test_a_hub_ids_split_config_revision_and_streaming_reach_load_dataset(local_
         ("hiyouga/geometry3k", {"streaming": True, "name": "geo", "revision": "abc123", "split": "train"})
     ]
     assert len(samples) == 3
+
+
+@pytest.mark.parametrize("offline", ["1", ""])
+def test_a_mistyped_relative_path_names_the_missing_file_never_the_hub(offline, monkeypatch, tmp_path):
+    """`nothere.jsonl` and `data/train.jsonl` are local paths that do not exist, offline and
+    online: the error names the file and the folder it was resolved from, and the hub is never
+    asked (it used to be taken for a hub dataset id: "not in the local cache" offline, minutes
+    of retries and "cannot open hub dataset" online)."""
+    import mmrl.hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(mmrl.hub, "ask_hub", lambda *a, **k: pytest.fail("the hub was asked"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for entry, missing in (
+        ("nothere.jsonl", "nothere.jsonl"),
+        ("data/train.jsonl@train", "data/train.jsonl"),
+    ):
+        with pytest.raises(FileNotFoundError) as info:
+            read_source(entry)
+        assert str(info.value) == (
+            f"data source {entry!r}: no such file or folder: {tmp_path / missing} (a relative path, resolved "
+            f"from the current folder {tmp_path})"
+        )
+
+
+def test_loading_logs_each_sources_layout_and_row_count(local_datasets, caplog):
+    import logging
+
+    from mmrl.datasets.sources import load_source
+
+    with caplog.at_level(logging.INFO, logger="mmrl.datasets.sources"):
+        loaded = load_source(f"{local_datasets / 'orsta'}@test")
+    assert (len(loaded.samples), loaded.layout, loaded.origin) == (8, "vtriune", "folder")
+    assert f"data source {local_datasets / 'orsta'}@test: 8 samples, vtriune layout (folder)" in caplog.text
+
+
+def test_hub_data_source_names_are_shortened_for_metric_names(tmp_path, monkeypatch):
+    """veRL's geo3k rows carry `data_source: hiyouga/geometry3k`, which made names like
+    `response/length_mean/correct/hiyouga/geometry3k`: read from the hub it becomes `geometry3k`
+    (an alias when one is given; whole where shortening would merge two sources). A local file's
+    sources keep their names unless aliased."""
+    import datasets
+    from mmrl.datasets.readers import write_jsonl
+    from mmrl.train.data import load_data_report, short_source_names
+
+    assert short_source_names({"hiyouga/geometry3k", "local"}, {}) == {
+        "hiyouga/geometry3k": "geometry3k",
+        "local": "local",
+    }
+    assert short_source_names({"hiyouga/geometry3k"}, {"hiyouga/geometry3k": "geo3k"}) == {
+        "hiyouga/geometry3k": "geo3k"
+    }
+    assert short_source_names({"a/x", "b/x"}, {}) == {"a/x": "a/x", "b/x": "b/x"}
+    verl_rows = [
+        {
+            "data_source": "hiyouga/geometry3k",
+            "prompt": [{"role": "user", "content": s.prompt[0]["content"]}],
+            "images": [{"bytes": _png(s), "path": None}],
+            "reward_model": {"style": "rule", "ground_truth": s.reward_model.ground_truth},
+            "extra_info": {"index": i},
+        }
+        for i, s in enumerate(make_samples(["colour_code"], 4, "train"))
+    ]
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, **kw: datasets.Dataset.from_list(verl_rows))
+    hub = ["data.train_files=[hiyouga/geometry3k@train]", "data.heldout_files=[hiyouga/geometry3k@test]"]
+    train, heldout, report = load_data_report(load_config("vision_reasoning", overrides=hub))
+    assert {s.data_source for s in train + heldout} == {"geometry3k"}
+    assert report["source_names"] == [{"data_source": "hiyouga/geometry3k", "name": "geometry3k"}]
+    assert report["train"] == [
+        {"entry": "hiyouga/geometry3k@train", "rows": 4, "layout": "verl", "origin": "hub"}
+    ]
+    train, _, _ = load_data_report(
+        load_config("vision_reasoning", overrides=[*hub, "data.source_aliases={hiyouga/geometry3k: geo3k}"])
+    )
+    assert {s.data_source for s in train} == {"geo3k"}
+    samples = make_samples(["colour_code"], 4, "train")
+    write_jsonl(samples, tmp_path / "local.jsonl")
+    files = [
+        f"data.train_files=[{tmp_path / 'local.jsonl'}]",
+        f"data.heldout_files=[{tmp_path / 'local.jsonl'}]",
+    ]
+    train, _, report = load_data_report(load_config("vision_reasoning", overrides=files))
+    assert {s.data_source for s in train} == {"vision_reasoning/colour_code"} and "source_names" not in report
+    aliased = [*files, "data.source_aliases={vision_reasoning/colour_code: colours}"]
+    train, _, _ = load_data_report(load_config("vision_reasoning", overrides=aliased))
+    assert {s.data_source for s in train} == {"colours"}
+
+
+def _png(sample) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    sample.pil_images()[0].save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_built_in_sources_keep_their_names():
+    from mmrl.train.data import load_data_report
+
+    train, heldout, report = load_data_report(
+        load_config("vision_reasoning", overrides=["data.num_train=8", "data.num_heldout=4"])
+    )
+    assert {s.data_source for s in train + heldout} == {"vision_reasoning/colour_code"}
+    assert "source_names" not in report and len(train) == 8 and len(heldout) == 4

@@ -116,3 +116,166 @@ def test_vtriune_style_accuracy(gold, response, accuracy):
 def test_vtriune_style_unparseable_gold_is_an_error_not_a_zero():
     result = get_verifier("math")("\\boxed{3}", _sample("\\{", style="vtriune"))
     assert result.error is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, defect 7: expensive answers are refused by size caps before math-verify parses them.
+
+EXPENSIVE = {
+    # The issue's cases ran math-verify into its 5 s time-out before the caps: a 40k-character
+    # sum, 3,000-deep braces and 20k listed numbers (the last two are past the length cap
+    # first). Each cap gets a case under the others: braces 14 deep are 29 characters, and ran
+    # past 10 s (measured, issue 36); 450 one-digit numbers listed are 899 characters and tokens.
+    "answer_too_long": "\\boxed{" + "+".join(["1"] * 20_000) + "}",
+    "answer_too_deep": "\\boxed{" + "{" * 14 + "5" + "}" * 14 + "}",
+    "answer_too_many_tokens": "\\boxed{" + ",".join(["7"] * 450) + "}",
+}
+
+
+@pytest.fixture
+def no_parsing(monkeypatch):
+    """math-verify's parse made to fail the test: an answer refused by a cap never reaches it."""
+    import mmrl.verifiers.math as math_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("math-verify was asked to parse a capped answer")
+
+    monkeypatch.setattr(math_module, "_parse", refuse)
+    monkeypatch.setattr(math_module, "_parse_response_vtriune", refuse)
+
+
+@pytest.mark.parametrize("kind", sorted(EXPENSIVE))
+@pytest.mark.parametrize("style", ["mmrl", "vtriune"])
+def test_an_expensive_answer_is_refused_before_parsing_with_its_own_error_kind(kind, style, no_parsing):
+    from mmrl.verifiers.limits import answer_limit_kind
+
+    params = {"style": style} if style == "vtriune" else {}
+    result = get_verifier("math")(EXPENSIVE[kind], _sample("5", **params))
+    assert result.score == 0.0
+    assert answer_limit_kind(result.error) == kind, result.error
+
+
+def test_the_caps_are_configurable_and_zero_switches_one_off(monkeypatch):
+    from mmrl.types import AnswerLimits, VerifyContext
+
+    response = "\\boxed{" + "+".join(["1"] * 5) + "}"  # 1+1+1+1+1 = 5: 9 characters, 9 tokens
+    sample = _sample("5")
+    tight = VerifyContext(limits=AnswerLimits(max_chars=8))
+    assert get_verifier("math")(response, sample, tight).error.startswith("answer_too_long: the answer has 9")
+    tight = VerifyContext(limits=AnswerLimits(max_tokens=8))
+    assert get_verifier("math")(response, sample, tight).error.startswith("answer_too_many_tokens")
+    deep = "\\boxed{((5))}"
+    tight = VerifyContext(limits=AnswerLimits(max_depth=1))
+    assert get_verifier("math")(deep, sample, tight).error.startswith(
+        "answer_too_deep: brackets nested 2 deep"
+    )
+    off = VerifyContext(limits=AnswerLimits(max_chars=0, max_depth=0, max_tokens=0))
+    result = get_verifier("math")(response, sample, off)
+    assert result.error is None and result.components["accuracy"] == 1.0
+    # The defaults let an ordinary answer through.
+    ordinary = "\\boxed{\\frac{\\sqrt{x^{2}+1}}{2\\left(x-\\frac{1}{3}\\right)}}"
+    assert get_verifier("math")(ordinary, _sample("\\frac{\\sqrt{x^{2}+1}}{2(x-1/3)}")).error is None
+
+
+def test_the_cap_measures():
+    from mmrl.verifiers.limits import count_tokens, nesting_depth
+
+    assert nesting_depth("\\frac{a}{(b+[c])}") == 3
+    assert nesting_depth("}}{(") == 2  # a closer without an opener is ignored
+    # x _ { 12 } ^ { 2 } + \alpha: numbers, words, commands and other characters count one each.
+    assert count_tokens("x_{12}^{2}+\\alpha") == 11
+    assert count_tokens("1 " * 100, stop_after=10) == 11
+
+
+def test_the_router_and_the_server_apply_their_configured_caps():
+    from mmrl.router import Router
+    from mmrl.server.protocol import WireItem
+    from mmrl.server.scoring import WireScorer
+    from mmrl.types import AnswerLimits, VerifyContext
+
+    limits = AnswerLimits(max_chars=3)
+    with Router(num_workers=0, answer_limits=limits) as router:
+        batch = router.score([_sample("12345")], ["\\boxed{12345}"], VerifyContext())
+    assert batch.results[0].error.startswith("answer_too_long")
+    fields = ("math", "12345", {}, 1.0, 0.0, "toy", "t", None)
+    item: WireItem = (fields, "\\boxed{12345}", 0, 1, False)
+    result = WireScorer(5.0, 16, limits)(item, {})
+    assert result[2].startswith("answer_too_long") and result[0] == 0.0
+    assert WireScorer(5.0, 16)(item, {})[2] is None  # the default caps let it through
+
+
+def test_refused_answers_are_counted_by_kind():
+    import torch
+
+    from mmrl.router import RewardBatch
+    from mmrl.server.metrics import Metrics
+    from mmrl.train.step_metrics import step_metrics
+    from mmrl.types import RolloutBatch, VerifierResult
+
+    errors = ["answer_too_long: x", "answer_too_deep: y", "answer_too_long: z", "ValueError: w"]
+    results = [VerifierResult(0.0, error=e) for e in errors]
+    samples = [_sample("5")] * 4
+    rewards = RewardBatch.of(results, samples)
+    batch = RolloutBatch(
+        samples=samples,
+        prompt_ids=torch.zeros(4, 1, dtype=torch.long),
+        prompt_mask=torch.ones(4, 1, dtype=torch.long),
+        response_ids=torch.zeros(4, 2, dtype=torch.long),
+        response_mask=torch.ones(4, 2, dtype=torch.long),
+        rollout_logprobs=torch.zeros(4, 2),
+        vision_inputs={},
+        texts=[""] * 4,
+        truncated=torch.zeros(4, dtype=torch.bool),
+        group_size=2,
+    )
+    metrics = step_metrics(batch, rewards, torch.zeros(4), 2)
+    assert metrics["verifier/rejected_answers"] == 3.0
+    assert metrics["verifier/rejected_answers/answer_too_long"] == 2.0
+    assert metrics["verifier/rejected_answers/answer_too_deep"] == 1.0
+    assert metrics["verifier/errors"] == 4.0  # still verifier errors, like the time-outs they were
+    server = Metrics()
+    item = (("math", "5", {}, 1.0, 0.0, "toy", "t", None), "r", 0, 1, False)
+    server.results_done([item] * 4, [(0.0, {}, e, None, None) for e in errors])
+    assert server.errors[("math", "answer_too_long")] == 2
+    assert server.errors[("math", "answer_too_deep")] == 1
+    assert server.errors[("math", "error")] == 1
+
+
+def test_a_refused_answer_scores_zero_and_stays_even_when_errors_are_dropped():
+    """A babbling policy must not escape its penalty through `reward.on_error=drop`: a refused
+    answer is a verdict on the response (scored 0, kept in its group), a time-out is not."""
+    import torch
+
+    from mmrl.config import load_config
+    from mmrl.router import RewardBatch
+    from mmrl.train.grpo import StepInputs
+    from mmrl.types import RolloutBatch, VerifierResult
+
+    cfg = load_config(
+        "vision_reasoning", overrides=["reward.on_error=drop", "algo.advantage=grpo", "rollout.group_size=2"]
+    )
+    results = [
+        VerifierResult(1.0),
+        VerifierResult(0.0, error="answer_too_long: the answer has 20000 characters (limit 1000)"),
+        VerifierResult(0.0, error="timeout: the verifier took longer than 5 s"),
+        VerifierResult(1.0),
+    ]
+    samples = [_sample("5")] * 4
+    batch = RolloutBatch(
+        samples=samples,
+        prompt_ids=torch.zeros(4, 1, dtype=torch.long),
+        prompt_mask=torch.ones(4, 1, dtype=torch.long),
+        response_ids=torch.zeros(4, 2, dtype=torch.long),
+        response_mask=torch.ones(4, 2, dtype=torch.long),
+        rollout_logprobs=torch.zeros(4, 2),
+        vision_inputs={},
+        texts=[""] * 4,
+        truncated=torch.zeros(4, dtype=torch.bool),
+        group_size=2,
+    )
+    inputs = StepInputs.empty(4, old=torch.zeros(4, 2), ref=None, tis=False)
+    inputs.fill(cfg, batch, range(4), RewardBatch.of(results, samples))
+    assert inputs.dropped.tolist() == [False, False, True, False]
+    # Group 0 (1 vs the refused 0): the refusal is pushed down, its partner up (GRPO: +-1/std).
+    assert inputs.advantages[0] > 0 > inputs.advantages[1]
+    assert batch.response_mask[1].tolist() == [1, 1] and batch.response_mask[2].tolist() == [0, 0]

@@ -272,7 +272,7 @@ def test_runner_refuses_a_task_megabench_would_crash_on(tmp_path):
 def test_cli_has_the_scoring_flag():
     import argparse
 
-    from mmrl.eval.runner import add_eval_arguments, config_from_args
+    from mmrl.eval.command import add_eval_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_eval_arguments(parser)

@@ -219,3 +219,81 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(mmrl_cache, tmp_path):
     ckpt = find_resume_checkpoint(tmp_path / "run")
     assert ckpt is not None and 1 <= ckpt.step < 50
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["interrupted"] is True
+
+
+# `mmrl train` (mmrl.cli.main) in this process, sending itself SIGINT (Ctrl-C) once, while it
+# hashes the files of the checkpoint whose temporary folder name holds MMRL_TEST_SIGINT_IN.
+SIGINT_DRIVER = r"""
+import os, signal, sys
+import mmrl.train.checkpoint as ck
+from mmrl.cli import main
+
+where, sent = os.environ["MMRL_TEST_SIGINT_IN"], []
+sha_fn = ck._sha256
+def _sha256(path):
+    if where in str(path) and not sent:
+        sent.append(path)
+        os.kill(os.getpid(), signal.SIGINT)
+    return sha_fn(path)
+ck._sha256 = _sha256
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _same(a, b, where: str = "") -> None:
+    """Nested trainer states equal bit for bit (tensors with torch.equal, arrays by bytes)."""
+    import numpy as np
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert a.tobytes() == b.tobytes(), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_sigint_during_a_checkpoint_write_then_resume_is_bit_exact(mmrl_cache, tmp_path):
+    # Issue 36, point 9: Ctrl-C while checkpoint 2 is being written: the write finishes, the run
+    # stops there cleanly, and --resume auto ends with the metrics, weights, optimizer and RNG
+    # states of the uninterrupted run, bit for bit.
+    from safetensors.torch import load_file
+
+    from mmrl.train.checkpoint import load_trainer_state, verify_checkpoint
+
+    args = [*SHORT, "trainer.total_steps=4", "trainer.checkpoint_every=2", "trainer.keep_last=0"]
+    whole = _cli(*args, f"trainer.run_dir={tmp_path / 'whole'}")
+    assert whole.wait() == 0, whole.stderr.read()[-3000:]
+
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        env = dict(
+            os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1", MMRL_TEST_SIGINT_IN=".tmp_step_00000002"
+        )
+        command = [sys.executable, "-c", SIGINT_DRIVER, "train", *args, f"trainer.run_dir={tmp_path / 'cut'}"]
+        return subprocess.run([*command, *extra], env=env, capture_output=True, text=True)
+
+    cut = run()
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    assert "interrupted at step 2" in cut.stdout and "SIGINT" in cut.stderr
+    assert [c.step for c in list_checkpoints(tmp_path / "cut")] == [2]
+    assert verify_checkpoint(tmp_path / "cut" / "checkpoints" / "step_00000002") is None
+    assert not [p for p in (tmp_path / "cut" / "checkpoints").iterdir() if p.name.startswith(".")]
+
+    resumed = run("--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step_00000002" in resumed.stderr
+    assert _metrics(tmp_path / "cut") == _metrics(tmp_path / "whole")
+    for step in ("step_00000002", "step_00000004"):
+        a, b = tmp_path / "cut" / "checkpoints" / step, tmp_path / "whole" / "checkpoints" / step
+        wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+        assert wa.keys() == wb.keys() and wa
+        for key in wa:
+            assert torch.equal(wa[key], wb[key]), f"{step}: {key} differs"
+        _same(load_trainer_state(a), load_trainer_state(b), step)

@@ -219,6 +219,10 @@ def test_missing_clip_files_are_named(saved, tmp_path):
         get_reward_model("pickscore", clip_model=str(empty))
     with pytest.raises(ValueError, match="neither a local open_clip folder nor a built-in"):
         get_reward_model("clip_score", clip_model=str(tmp_path / "nope"))
+    # PickScore has no default model (its config's default is ""): the error says what to give.
+    for missing in ({}, {"clip_model": ""}):
+        with pytest.raises(ValueError, match="pickscore: clip_model=<a local CLIP folder.*> is required"):
+            get_reward_model("pickscore", **missing)
 
 
 def test_hf_clip_with_a_truncated_file_is_named(saved, tmp_path):

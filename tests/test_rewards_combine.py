@@ -12,8 +12,9 @@ from PIL import Image
 
 import mmrl.rewards.config as config_module
 from mmrl.rewards import RewardModel, RewardModelError
+from mmrl.rewards.catalog import build_reward_models
 from mmrl.rewards.combine import gdpo_advantages, weighted_sum
-from mmrl.rewards.config import ModelRewardsConfig, RewardModelConfig, build_reward_models, check_kwargs
+from mmrl.rewards.config import ModelRewardsConfig, RewardModelConfig, check_kwargs
 from mmrl.rewards.jpeg import JpegCompressibility
 from mmrl.rewards.router_bridge import check_model_entries, prompt_text, score_model_rewards
 from mmrl.types import RewardSpec, Sample
@@ -73,9 +74,8 @@ def test_combination_errors_are_named():
 
 def test_typed_configs_match_the_constructors():
     """Every typed-config field is a constructor argument of its reward model."""
-    from mmrl.rewards.base import _REGISTRY, _load_builtins
+    from mmrl.rewards.catalog import _REGISTRY  # the catalog registers the built-in models
 
-    _load_builtins()
     for name, typed in config_module.TYPED_CONFIGS.items():
         params = inspect.signature(_REGISTRY[name]).parameters
         for f in dataclasses.fields(typed):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,7 +13,13 @@ import torch
 from PIL import Image
 
 from mmrl.rewards import RewardModelError, get_reward_model, reward_model_names
-from mmrl.rewards.base import RewardModel, RewardOutput, as_pil_images, register_reward_model
+from mmrl.rewards.base import (
+    RewardInputs,
+    RewardModel,
+    RewardOutput,
+    as_pil_images,
+    register_reward_model,
+)
 from mmrl.rewards.jpeg import JpegCompressibility
 
 
@@ -93,3 +102,58 @@ def test_a_subclass_needs_only_score():
     assert model.score_with_components(responses=["ab"]) == RewardOutput([2.0], {"length": [2.0]})
     with pytest.raises(NotImplementedError):
         RewardModel().score(responses=["x"])
+
+
+def test_score_inputs_gets_the_checked_inputs_with_the_images_decoded_once():
+    class Seen(RewardModel):
+        requires = ("images", "texts")
+
+        def score_inputs(self, x: RewardInputs) -> RewardOutput:
+            self.seen = x
+            return RewardOutput([float(im.size[0]) for im in x.images])
+
+    model = Seen()
+    images = _flat_and_noise()
+    assert model.score(images=images, texts=["a", "b"]) == [64.0, 64.0]
+    x = model.seen
+    assert x.n == 2 and x.prompts is None and x.responses is None and x.fields == {"texts": ["a", "b"]}
+    assert [im.mode for im in x.images] == ["RGB", "RGB"]
+    assert [np.asarray(im) for im in x.images][1].tolist() == np.asarray(as_pil_images(images)[1]).tolist()
+    # The checks run before score_inputs: a missing required input, or lengths that differ.
+    with pytest.raises(RewardModelError, match="needs 'texts'"):
+        model.score(images=images)
+    with pytest.raises(RewardModelError, match="differ in length"):
+        model.score(images=images, texts=["a"])
+
+
+def fresh_python(code: str) -> str:
+    """Run `code` in a new interpreter (nothing imported yet); return what it printed."""
+    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+LOOKUPS = {
+    "mmrl.rewards": "from mmrl.rewards import get_reward_model as lookup",
+    "mmrl.rewards.catalog": "from mmrl.rewards.catalog import get_reward_model as lookup",
+    "mmrl.rewards.config": (
+        "from mmrl.rewards.catalog import build_reward_models\n"
+        "from mmrl.rewards.config import ModelRewardsConfig, RewardModelConfig\n"
+        "cfg = ModelRewardsConfig(models=[RewardModelConfig(name='jpeg_compressibility')])\n"
+        "lookup = lambda name: build_reward_models(cfg)[name]"
+    ),
+}
+
+
+@pytest.mark.parametrize("path", sorted(LOOKUPS))
+def test_a_built_in_model_is_found_from_every_public_import_path(path):
+    # The registry (rewards/base.py) imports no model: the models import it, and the lookups
+    # live above them (rewards/catalog.py). Each path is tried in a fresh process, where
+    # nothing else has imported the built-in models. Importing the package and its config
+    # imports no torch (mmrl.config imports mmrl.rewards.config; a config error must be instant).
+    code = (
+        "import sys\nimport mmrl.rewards, mmrl.rewards.config\nprint('torch' in sys.modules)\n"
+        f"{LOOKUPS[path]}\nprint(type(lookup('jpeg_compressibility')).__name__)"
+    )
+    assert fresh_python(code).split() == ["False", "JpegCompressibility"]

@@ -78,7 +78,13 @@ class Slow(Verifier):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def image_root(tmp_path_factory):
+    """The server's `image_root`: the only folder it reads image paths from."""
+    return tmp_path_factory.mktemp("images")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, image_root):
     plugin_dir = tmp_path_factory.mktemp("plugins")
     (plugin_dir / "mmrl_test_plugins.py").write_text(PLUGIN)
     cfg = ServeConfig(
@@ -92,6 +98,7 @@ def server(tmp_path_factory):
         max_batch=64,
         max_pending=96,
         check_images=True,
+        image_root=str(image_root),
         plugins=["mmrl_test_plugins"],
     )
     with start_server_process(cfg, env={"PYTHONPATH": str(plugin_dir)}) as proc:
@@ -188,22 +195,86 @@ def _png(colour=(255, 0, 0)) -> bytes:
     return buf.getvalue()
 
 
-def test_images_as_local_path_base64_and_data_url_are_accepted(http, tmp_path):
-    path = tmp_path / "red.png"
-    path.write_bytes(_png())
+def test_images_as_local_path_base64_and_data_url_are_accepted(http, image_root):
+    (image_root / "sub").mkdir(exist_ok=True)
+    (image_root / "sub" / "red.png").write_bytes(_png())
     b64 = base64.b64encode(_png((0, 255, 0))).decode()
     sample = {
         **record("math", "3"),
-        "prompt": [{"role": "user", "content": "<image><image><image><image>How many?"}],
-        "images": [str(path), b64, f"data:image/png;base64,{b64}", {"bytes": b64}],
+        "prompt": [{"role": "user", "content": "<image><image><image><image><image>How many?"}],
+        "images": [
+            "sub/red.png",
+            b64,
+            f"data:image/png;base64,{b64}",
+            {"bytes": b64},
+            {"path": "sub/red.png"},
+        ],
     }
     answer = http.post("/score", json={"samples": [sample], "responses": ["\\boxed{3}"]})
     assert answer.status_code == 200 and answer.json()["results"][0]["score"] == 1.0
 
-    missing = {**sample, "images": [str(tmp_path / "nope.png")]}
+    missing = {**sample, "images": ["sub/nope.png"]}  # inside the root: saying so reveals nothing
     answer = http.post("/score", json={"samples": [missing], "responses": ["\\boxed{3}"]})
     assert answer.status_code == 422
     assert "samples[0].images[0]" in answer.json()["detail"] and "not found" in answer.json()["detail"]
+
+
+def _image_answer(http, image) -> tuple[int, str]:
+    sample = {**record("math", "3"), "images": [image]}
+    answer = http.post("/score", json={"samples": [sample], "responses": ["\\boxed{3}"]})
+    return answer.status_code, answer.json().get("detail", "")
+
+
+def test_image_paths_cannot_probe_the_file_system(http, image_root, tmp_path):
+    # Issue 36, defect 4: an absolute path, a path climbing out with "..", and a link leading out
+    # of the image root get one and the same answer whether or not the file exists.
+    outside = tmp_path / "secret.png"
+    (image_root / "link_out.png").unlink(missing_ok=True)
+    (image_root / "link_out.png").symlink_to(outside)
+    climb = "../" * (len(image_root.parts) + 2) + str(outside).lstrip("/")
+    for probe in (str(outside), {"path": str(outside)}, climb, "link_out.png"):
+        assert not outside.exists()
+        absent = _image_answer(http, probe)
+        outside.write_bytes(_png())
+        present = _image_answer(http, probe)
+        outside.unlink()
+        assert absent == present, probe
+        assert absent[0] == 422 and "not an image path this server reads" in absent[1], absent
+    # A real system file is refused in the same words as a missing one.
+    assert _image_answer(http, "/etc/hostname")[1].endswith(
+        _image_answer(http, "/etc/hostnamf")[1].split(": ", 1)[1]
+    )
+
+
+def test_the_pixel_limit_of_data_loading_applies_to_the_server(http):
+    # Issue 36, defect 5: a complete 67-megapixel PNG used to get 200 (64 MP is the limit).
+    from mmrl.types import MAX_IMAGE_PIXELS
+
+    buffer = io.BytesIO()
+    Image.new("1", (8200, 8200)).save(buffer, format="PNG")  # 67.2 MP, a few kB
+    big = base64.b64encode(buffer.getvalue()).decode()
+    status, detail = _image_answer(http, big)
+    assert status == 422
+    assert "samples[0].images[0]" in detail and f"more than the limit of {MAX_IMAGE_PIXELS:,}" in detail
+
+
+@pytest.mark.parametrize("depth", [70, 600, 900, 2500])
+@pytest.mark.parametrize("field", ["ground_truth", "verifier_params"])
+def test_deep_json_is_a_4xx_naming_the_field_at_every_depth(http, field, depth):
+    # Issue 36, defect 6: 500-900 levels gave 200 with a per-sample RecursionError (pickling),
+    # 2,000+ a 400 naming nothing.
+    deep = "[" * depth + "1" + "]" * depth
+    if field == "ground_truth":
+        reward = f'{{"verifier": "math", "ground_truth": {deep}}}'
+    else:
+        reward = f'{{"verifier": "math", "ground_truth": "3", "verifier_params": {{"format": {deep}}}}}'
+    body = f'{{"samples": [{{"reward_model": {reward}}}], "responses": ["\\\\boxed{{3}}"]}}'
+    answer = http.post("/score", content=body.encode(), headers={"content-type": "application/json"})
+    assert answer.status_code == 422, answer.text
+    detail = answer.json()["detail"]
+    assert (
+        detail.startswith(f"samples[0].reward_model.{field}") and "nested more than 64 levels deep" in detail
+    )
 
 
 def test_openrlhf_empty_lists_give_empty_lists(http):
@@ -346,7 +417,13 @@ def test_vtriune_judge_answers_200_with_every_key_and_an_error_for_what_it_canno
 BAD_REQUESTS = [
     ("malformed JSON", "/score", b'{"samples": [', 400, "malformed JSON"),
     ("not an object", "/score", b"[1, 2]", 422, "body: must be an object"),
-    ("JSON nested too deeply", "/score", b"[" * 5000 + b"]" * 5000, 400, "malformed JSON: nested too deeply"),
+    (
+        "JSON nested too deeply",
+        "/score",
+        b"[" * 5000 + b"]" * 5000,
+        422,
+        "body[0][0][0][0][0][0][0][0]...: nested more than 64 levels deep",
+    ),
     (
         "responses not an array",
         "/score",
@@ -447,7 +524,7 @@ BAD_REQUESTS = [
         "/score",
         {"samples": [record("math", "1", verifier_params="[" * 5000 + "]" * 5000)], "responses": ["x"]},
         422,
-        "samples[0].reward_model.verifier_params: not valid JSON: nested too deeply",
+        "samples[0].reward_model.verifier_params[0][0][0][0][0][0][0][0]...: nested more than 64 levels deep",
     ),
     (
         "verifier_params as JSON holding a huge integer",
@@ -477,14 +554,14 @@ BAD_REQUESTS = [
             "responses": ["x"],
         },
         422,
-        "samples[0].extra_info: not valid JSON: nested too deeply",
+        "samples[0].extra_info.a.a.a.a.a.a.a.a...: nested more than 64 levels deep",
     ),
     (
         "a label's JSON nested too deeply",
         "/get_reward",
         {"query": ["x"], "labels": ['{"verifier": "math", "ground_truth": ' + "[" * 5000 + "]" * 5000 + "}"]},
         422,
-        "labels[0]: not valid JSON: nested too deeply",
+        "labels[0].ground_truth[0][0][0][0][0][0][0]...: nested more than 64 levels deep",
     ),
     (
         "a label's JSON holding a huge integer",
@@ -552,7 +629,7 @@ def test_judge_refuses_non_finite_and_unusable_numbers_and_never_sends_nan(http)
         ),
         (
             '"reward_verifier_parm": ' + json.dumps(deep),
-            "reward_verifier_parm: not valid JSON: nested too deeply",
+            "reward_verifier_parm[0][0][0][0][0][0][0][0]...: nested more than 64 levels deep",
         ),
         (
             '"reward_verifier_parm": ' + json.dumps(deep_enough),
@@ -604,16 +681,18 @@ def test_null_verifier_params_are_taken_as_not_given(http):
     assert answer.json()["results"][0]["score"] == 1.0
 
 
-def test_a_ground_truth_too_deep_to_hand_to_a_worker_is_that_sample_s_error(http):
+def test_a_ground_truth_too_deep_to_hand_to_a_worker_is_a_422_naming_it(http):
+    # Issue 36: 700 levels parse as JSON but cannot be pickled for a worker; this used to be a
+    # 200 with that sample's RecursionError. The depth limit (64) now refuses it up front.
     deep: list = []
-    for _ in range(700):  # JSON parses it; pickle, which carries it to a worker, cannot
+    for _ in range(700):
         deep = [deep]
     body = {"samples": [record("detection", deep), record("math", "2")], "responses": ["[]", "\\boxed{2}"]}
     answer = http.post("/score", json=body)
-    assert answer.status_code == 200
-    first, second = answer.json()["results"]
-    assert first["score"] == 0.0 and "cannot send this sample to a verifier worker" in first["error"]
-    assert second["score"] == 1.0 and second["error"] is None
+    assert answer.status_code == 422
+    assert answer.json()["detail"] == (
+        "samples[0].reward_model.ground_truth: nested more than 64 levels deep (this server's limit)"
+    )
 
 
 def test_a_missing_or_wrong_token_is_401(server):

@@ -67,3 +67,41 @@ def test_metrics_overall_per_source_and_for_correct_and_wrong_answers():
     assert m["reflection/accuracy"] == 0.5 and m["reflection/accuracy/b"] == 1.0
     assert m["verifier/errors"] == 1 and m["verifier/timeouts/math/b"] == 1
     assert m["reward/zero_variance_groups"] == 0.0
+
+
+def test_a_component_a_verifier_reports_only_sometimes_averages_over_all_its_rows():
+    """The math verifier adds `malformed` only to malformed answers: 1 of 4 here, so 0.25 (it
+    used to be averaged over the rows that report it: 1.0 whenever present). A detection row,
+    whose verifier never reports it, is not counted; its `iou` averages over detection rows alone;
+    a model reward averages over the rows whose samples asked for it."""
+    samples = [_sample("a") for _ in range(4)]
+    det = Sample(
+        "d", [{"role": "user", "content": "q"}], [], "detection", RewardSpec([], "detection"), {"id": "d"}
+    )
+    samples.append(det)
+    batch = RolloutBatch(
+        samples=samples,
+        prompt_ids=torch.zeros(5, 1, dtype=torch.long),
+        prompt_mask=torch.ones(5, 1, dtype=torch.long),
+        response_ids=torch.zeros(5, 2, dtype=torch.long),
+        response_mask=torch.ones(5, 2, dtype=torch.long),
+        rollout_logprobs=torch.zeros(5, 2),
+        vision_inputs={},
+        texts=["x"] * 5,
+        truncated=torch.zeros(5, dtype=torch.bool),
+        group_size=1,
+    )
+    results = [
+        VerifierResult(0.0, {"accuracy": 0.0, "format": 0.0, "malformed": 1.0}),
+        VerifierResult(1.0, {"accuracy": 1.0, "format": 1.0, "model/judge": 0.5}),
+        VerifierResult(0.0, {"accuracy": 0.0, "format": 1.0}),
+        VerifierResult(1.0, {"accuracy": 1.0, "format": 1.0, "model/judge": 0.7}),
+        VerifierResult(0.6, {"accuracy": 0.6, "iou": 0.8}),
+    ]
+    rewards = RewardBatch(results, torch.tensor([r.score for r in results]), Counter(), Counter())
+    m = step_metrics(batch, rewards, torch.zeros(5), group_size=1)
+    assert m["reward/malformed"] == 0.25
+    assert m["reward/malformed/a"] == 0.25 and "reward/malformed/d" not in m
+    assert m["reward/iou"] == pytest.approx(0.8) and m["reward/format"] == 0.75
+    assert m["reward/accuracy"] == pytest.approx(2.6 / 5)
+    assert m["reward/model/judge"] == pytest.approx(0.6)

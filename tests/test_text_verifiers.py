@@ -486,11 +486,87 @@ HUGE_RESPONSES = [
 
 @pytest.mark.parametrize("verifier", ["ocr", "choice", "number", "counting"])
 def test_huge_responses_are_scored_without_error(verifier):
+    # Promptly, and without a verifier error; number and counting refuse a huge *answer* by
+    # its size cap instead (`answer_too_long` etc.: an error of its own kind, by design).
+    from mmrl.verifiers.limits import answer_limit_kind
+
     gold = {"ocr": "stop", "choice": "A", "number": 3, "counting": 3}[verifier]
     sample = _sample(verifier, gold)
     scorer = get_verifier(verifier)
     for response in HUGE_RESPONSES:
         # time_limit_s=0: no timer, so a stall would hang here rather than become an error.
         result = scorer(response, sample, time_limit_s=0)
+        if verifier in ("number", "counting") and answer_limit_kind(result.error) is not None:
+            assert result.score == 0.0
+            continue
         assert result.error is None
         assert 0.0 <= result.components["accuracy"] <= 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 36, defect 8: hedging in the number and counting verifiers. Before, the last number was
+# graded, so "3 or 4" scored 1.0 for gold 4; the module promises hedging is never right by luck.
+
+
+@pytest.mark.parametrize("verifier", ["number", "counting"])
+@pytest.mark.parametrize(
+    "response",
+    [
+        "\\boxed{3} or \\boxed{4}",
+        "<answer>3 or 4</answer>",
+        "\\boxed{4} or maybe \\boxed{3}",
+        "<answer>4, 3</answer>",
+        "<answer>3-4</answer>",
+    ],
+)
+def test_two_different_final_answers_are_malformed(verifier, response):
+    result = get_verifier(verifier)(response, _sample(verifier, 4, fmt_ratio=0.5))
+    assert result.error is None
+    assert result.score == 0.0
+    assert result.components["accuracy"] == 0.0 and result.components["format"] == 0.0
+    assert result.components["malformed"] == 1.0
+
+
+def test_counting_words_hedge_too_but_digits_decide_when_present():
+    assert (
+        get_verifier("counting")("<answer>three or four</answer>", _sample("counting", 4)).components[
+            "malformed"
+        ]
+        == 1.0
+    )
+    # "4 apples, one of them red": digits win over words, as documented: not a hedge.
+    result = get_verifier("counting")("<answer>4 apples, one of them red</answer>", _sample("counting", 4))
+    assert result.components == {"accuracy": 1.0, "format": 1.0, "abs_error": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("verifier", "response", "gold"),
+    [
+        ("number", "\\boxed{4} and again \\boxed{4}", 4),  # one answer repeated
+        ("number", "\\boxed{4.0}", 4),
+        ("number", "<answer>1,234.5 cm</answer>", 1234.5),
+        ("number", "\\boxed{1.2\\times10^{3}}", 1200),
+        ("number", "\\boxed{\\frac{3}{4}}", 0.75),
+        ("number", "\\boxed{45\\%}", 45),
+        ("counting", "\\boxed{1,024}", 1024),
+        ("counting", "<answer>There are 5 cars.</answer>", 5),
+        ("counting", "\\boxed{5} \\boxed{5.0}", 5),
+    ],
+)
+def test_one_number_written_in_one_of_its_forms_is_not_a_hedge(verifier, response, gold):
+    result = get_verifier(verifier)(response, _sample(verifier, gold))
+    assert result.error is None and "malformed" not in result.components
+    assert result.components["accuracy"] == 1.0
+
+
+def test_number_and_counting_refuse_a_capped_answer_before_reading_it():
+    from mmrl.types import AnswerLimits, VerifyContext
+    from mmrl.verifiers.limits import answer_limit_kind
+
+    listed = "<answer>" + ", ".join(str(i) for i in range(20_000)) + "</answer>"  # 20k listed numbers
+    for verifier in ("number", "counting"):
+        result = get_verifier(verifier)(listed, _sample(verifier, 4))
+        assert answer_limit_kind(result.error) == "answer_too_long" and result.score == 0.0
+        tight = VerifyContext(limits=AnswerLimits(max_depth=1))
+        result = get_verifier(verifier)("\\boxed{((4))}", _sample(verifier, 4), tight)
+        assert answer_limit_kind(result.error) == "answer_too_deep"

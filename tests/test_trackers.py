@@ -182,6 +182,59 @@ def test_wandb_offline_holds_every_metric_the_config_and_the_curves_and_resumes_
         assert (folder / "files" / row["plots/training_curves/path"]).stat().st_size > 0
 
 
+def _wandb_tables(offline_dir: Path) -> list[tuple[int, dict, dict[str, Path]]]:
+    """(step, table, {path: file}) of every table an offline run logged. A table with images is
+    a `run_table` artifact whose files (the table's JSON, the images) wait in wandb's staging
+    folder for `wandb sync`; the run file's artifact records hold the manifest."""
+    (path,) = offline_dir.glob("run-*.wandb")
+    records = _wandb_records(path)
+    steps = [
+        r.history.step.num
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+        and any(
+            "/".join(i.nested_key) == "eval/generations/_type" or i.key == "eval/generations/_type"
+            for i in r.history.item
+        )
+    ]
+    tables = []
+    for r in records:
+        if r.WhichOneof("record_type") == "artifact" and r.artifact.type == "run_table":
+            files = {c.path: Path(c.local_path) for c in r.artifact.manifest.contents}
+            tables.append((json.loads(files["eval/generations.table.json"].read_text()), files))
+    assert len(steps) == len(tables), (steps, len(tables))
+    return [(step, table, files) for step, (table, files) in zip(steps, tables)]
+
+
+def test_wandb_offline_holds_a_generations_table_at_every_evaluation(grpo_runs):
+    """veRL's / EasyR1's validation generations: `trainer.log_generations` (8) rows of prompt,
+    image thumbnail, response, reward and each component, the same held-out samples each time."""
+    run_dir, _, _ = grpo_runs
+    folders = sorted((run_dir / "wandb").glob("offline-run-*"))
+    tables = [t for folder in folders for t in _wandb_tables(folder)]
+    assert [step for step, _, _ in tables] == [0, 1, 2]  # step 0, the run's end, the resumed run's end
+    ids = None
+    for step, table, files in tables:
+        columns = table["columns"]
+        assert columns[:7] == ["data_source", "id", "prompt", "image", "response", "ground_truth", "reward"]
+        assert "reward/accuracy" in columns and columns[-1] == "error"
+        rows = [dict(zip(columns, values)) for values in table["data"]]
+        assert len(rows) == 8
+        for row in rows:
+            assert row["image"]["_type"] == "image-file"
+            assert files[row["image"]["path"]].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert max(row["image"]["width"], row["image"]["height"]) <= 128  # a thumbnail
+            assert 0.0 <= row["reward"] <= 1.0 and row["reward/accuracy"] in (0.0, 1.0)
+            assert "<image>" in row["prompt"] and isinstance(row["response"], str)
+        ids = ids or [row["id"] for row in rows]
+        assert [row["id"] for row in rows] == ids, step  # the same samples at every evaluation
+    # eval_size is 8: the table holds every evaluated sample, so it reproduces the logged accuracy.
+    expected = _jsonl_by_step(run_dir)
+    for step, table, _ in tables:
+        rows = [dict(zip(table["columns"], values)) for values in table["data"]]
+        assert expected[step]["eval/accuracy"] == pytest.approx(sum(r["reward/accuracy"] for r in rows) / 8)
+
+
 # --- MLflow ----------------------------------------------------------------------------------
 @pytest.mark.skipif(not HAVE_MLFLOW, reason=NO_MLFLOW)
 def test_mlflow_holds_every_metric_the_params_and_the_curves_and_resumes_the_same_run(grpo_runs):
@@ -210,6 +263,29 @@ def test_mlflow_holds_every_metric_the_params_and_the_curves_and_resumes_the_sam
     config_text = Path(client.download_artifacts(run_id, "config.yaml", str(run_dir / "dl"))).read_text()
     assert "total_steps: 2" in config_text
     assert [a.path for a in client.list_artifacts(run_id, "plots")] == ["plots/training_curves.png"]
+
+
+@pytest.mark.skipif(not HAVE_MLFLOW, reason=NO_MLFLOW)
+def test_mlflow_holds_a_generations_table_at_every_evaluation(grpo_runs):
+    from mlflow.tracking import MlflowClient
+
+    run_dir, store, _ = grpo_runs
+    run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]["id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}/mlflow.db")
+    paths = [a.path for a in client.list_artifacts(run_id, "eval/generations")]
+    assert paths == [f"eval/generations/step_{s:06d}.json" for s in (0, 1, 2)]
+    table = json.loads(Path(client.download_artifacts(run_id, paths[0], str(run_dir / "dl-gen"))).read_text())
+    columns = table["columns"]
+    assert columns[:7] == ["data_source", "id", "prompt", "image", "response", "ground_truth", "reward"]
+    rows = [dict(zip(columns, values)) for values in table["data"]]
+    assert len(rows) == 8
+    for row in rows:
+        assert row["image"]["type"] == "image"
+        image = client.download_artifacts(run_id, row["image"]["filepath"], str(run_dir / "dl-img"))
+        assert Path(image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert 0.0 <= row["reward"] <= 1.0 and row["reward/accuracy"] in (0.0, 1.0)
+    expected = _jsonl_by_step(run_dir)[0]["eval/accuracy"]
+    assert expected == pytest.approx(sum(r["reward/accuracy"] for r in rows) / 8)
 
 
 def test_mlflow_names_keep_their_meaning_within_mlflows_characters():

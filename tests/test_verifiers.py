@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -305,3 +308,19 @@ def test_a_reward_batch_recounts_errors_per_source_after_select_and_concat():
     both = RewardBatch.concat([picked, batch.select([2])])
     assert both.errors == {sources[1]: 1, sources[2]: 1} and both.timeouts == {sources[1]: 1}
     assert both.select([2]).errors == {sources[2]: 1}  # keys travel through select and concat
+
+
+def test_the_built_in_verifiers_are_found_from_the_registry_module_alone():
+    # The registry imports no verifier (the verifiers import it); Python runs the package's
+    # __init__, which imports the built-ins, before the registry module. A fresh process, where
+    # nothing else has imported them, imports only the registry and finds them all.
+    code = (
+        "from mmrl.verifiers.registry import get_verifier, verifier_names\n"
+        "print(get_verifier('math').name, *verifier_names())"
+    )
+    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    first, *names = done.stdout.split()
+    assert first == "math"
+    assert {"math", "detection", "number", "geneval"} <= set(names)  # one from each built-in module

@@ -168,20 +168,27 @@ def test_prompts_are_the_text_and_images_the_hf_engine_feeds(tiny_policy):
     samples = _multi_image_samples() + make_samples(["colour_code"], 1, "train")
     prompts = vllm_prompts(tiny_policy.processor, samples, max_images=4)
     hf = encode_prompts(tiny_policy.processor, samples)
-    image_pad = "<|image_pad|>"
+    tokenizer = tiny_policy.processor.tokenizer
+    image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     for i, (p, s) in enumerate(zip(prompts, samples)):
-        images = p["multi_modal_data"]["image"]
+        assert set(p) <= {"prompt_token_ids", "multi_modal_data"}  # a TokensPrompt's fields, no text
+        images = p.get("multi_modal_data", {}).get("image", [])
         assert [im.tobytes() for im in images] == [im.tobytes() for im in s.pil_images()]
-        assert p["prompt"].count(image_pad) == len(s.images)  # one placeholder per image, unexpanded
-        # The processor on this prompt alone gives the HF engine's (unpadded) prompt tokens.
-        alone = tiny_policy.processor(text=[p["prompt"]], images=images, return_tensors="pt")
+        ids = p["prompt_token_ids"]
+        assert ids.count(image_pad) == len(s.images)  # one placeholder per image, unexpanded
+        assert ids == tokenizer(engine_module.prompt_text(tiny_policy.processor, s))["input_ids"]
+        # The processor on these ids' text gives the HF engine's (unpadded, expanded) prompt tokens.
+        alone = tiny_policy.processor(
+            text=[tokenizer.decode(ids)], images=images or None, return_tensors="pt"
+        )
         assert alone["input_ids"][0].tolist() == hf["input_ids"][i][hf["attention_mask"][i].bool()].tolist()
 
 
 def test_a_text_only_prompt_has_no_multimodal_data_and_too_many_images_name_the_sample(tiny_policy):
     text_only = _sample(7, [], "What is 2 + 3?")
     (prompt,) = vllm_prompts(tiny_policy.processor, [text_only], max_images=4)
-    assert set(prompt) == {"prompt"} and "2 + 3" in prompt["prompt"]
+    assert set(prompt) == {"prompt_token_ids"}
+    assert "2 + 3" in tiny_policy.processor.tokenizer.decode(prompt["prompt_token_ids"])
     with pytest.raises(ValueError, match=r"sample '2' has 3 images.*at most 2"):
         vllm_prompts(tiny_policy.processor, _multi_image_samples(), max_images=2)
 
@@ -419,21 +426,121 @@ class RefusesCode(TypeError):
     """What vLLM V1 raises for a function passed to `collective_rpc` (msgpack, no pickle)."""
 
 
+class TensorInRpc(AssertionError):
+    """A tensor in an RPC message: vLLM's engine core would hand the worker a list instead."""
+
+
+class ChangedInRpc(AssertionError):
+    """Something in an RPC message that msgpack does not give back as it was (a tuple, ...)."""
+
+
+def vllm_rpc_roundtrip(args: tuple) -> list:
+    """An RPC's arguments as vLLM V1's engine core hands them to the workers: encoded with
+    msgpack (msgspec, as vLLM's `MsgpackEncoder`; without VLLM_ALLOW_INSECURE_SERIALIZATION
+    anything msgpack cannot write is refused) and decoded by an untyped decoder (vLLM's
+    `MsgpackDecoder()` without a type: nothing is rebuilt, so a tensor would arrive as its
+    `[dtype, shape, buffer]` list and a tuple as a list). Stricter than vLLM in one way: a
+    tensor is an error here instead of arriving mangled, and so is anything that arrives
+    changed."""
+    import msgspec
+    import numpy as np
+
+    def enc_hook(obj):
+        if isinstance(obj, (torch.Tensor, np.ndarray)):
+            raise TensorInRpc(f"a {type(obj).__name__} {tuple(obj.shape)} in an RPC message")
+        if callable(obj):
+            raise RefusesCode("a function in collective_rpc needs VLLM_ALLOW_INSECURE_SERIALIZATION=1")
+        raise TypeError(f"Object of type {type(obj)} is not serializable")
+
+    encoded = msgspec.msgpack.Encoder(enc_hook=enc_hook).encode(list(args))
+    decoded = msgspec.msgpack.Decoder().decode(encoded)
+    _same(list(args), decoded, "args")
+    return decoded
+
+
+def _same(sent, got, where: str) -> None:
+    if type(sent) is not type(got):
+        raise ChangedInRpc(f"{where}: sent a {type(sent).__name__}, the worker got a {type(got).__name__}")
+    if isinstance(sent, list):
+        if len(sent) != len(got):
+            raise ChangedInRpc(f"{where}: {len(sent)} items sent, {len(got)} arrived")
+        for i, (a, b) in enumerate(zip(sent, got)):
+            _same(a, b, f"{where}[{i}]")
+    elif isinstance(sent, dict):
+        if list(sent) != list(got):
+            raise ChangedInRpc(f"{where}: keys {list(sent)} sent, {list(got)} arrived")
+        for key in sent:
+            _same(sent[key], got[key], f"{where}[{key!r}]")
+    elif sent != got:
+        raise ChangedInRpc(f"{where}: {sent!r} sent, {got!r} arrived")
+
+
 class FakeVllmModel:
     """vLLM's model inside a worker: `load_weights(weights=[(name, tensor), ...])`, here into an
     HF copy; records what it was given."""
 
-    def __init__(self, hf: torch.nn.Module, dtype: torch.dtype):
-        self.hf, self.dtype, self.loaded = hf, dtype, []
+    def __init__(self, hf: torch.nn.Module, dtype: torch.dtype, events: list):
+        self.hf, self.dtype, self.loaded, self.events = hf, dtype, [], events
 
     def load_weights(self, weights):
+        self.events.append(("load_weights", len(weights)))
         params = self.hf.state_dict()
         for name, tensor in weights:
-            # What crosses vLLM V1's process boundary: host tensors, in the engine's dtype.
-            assert tensor.device.type == "cpu", name
+            assert isinstance(tensor, torch.Tensor), (name, type(tensor))  # not an RPC-mangled list
             assert not tensor.is_floating_point() or tensor.dtype == self.dtype, (name, tensor.dtype)
             params[name].copy_(tensor)
             self.loaded.append(name)
+        return {name for name, _ in weights}
+
+
+class FakeNcclChannel:
+    """The NCCL groups of a test: a broadcast from rank 0 reaches every other rank's queue."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.queues: dict[tuple[int, int], queue.Queue] = {}
+        self.lock = threading.Lock()
+        self.sent: list[tuple[int, torch.Size, torch.dtype]] = []  # (port, shape, dtype) of each
+
+    def queue(self, port: int, rank: int):
+        import queue
+
+        with self.lock:
+            return self.queues.setdefault((port, rank), queue.Queue())
+
+
+class FakeStatelessProcessGroup:
+    """`vllm.distributed.utils.StatelessProcessGroup`: who is who (no rendezvous needed here)."""
+
+    def __init__(self, host, port, rank, world_size):
+        self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
+
+    @classmethod
+    def create(cls, host: str, port: int, rank: int, world_size: int):
+        assert isinstance(port, int) and isinstance(rank, int) and isinstance(world_size, int)
+        return cls(host, port, rank, world_size)
+
+
+def fake_pynccl(channel: FakeNcclChannel):
+    class FakePyNcclCommunicator:
+        """`PyNcclCommunicator.broadcast`: rank 0's tensor copied into every other rank's."""
+
+        def __init__(self, group, device):
+            self.group, self.device = group, device
+
+        def broadcast(self, tensor, src, stream=None):
+            g = self.group
+            if g.rank == src:
+                channel.sent.append((g.port, tensor.shape, tensor.dtype))
+                for rank in range(g.world_size):
+                    if rank != src:
+                        channel.queue(g.port, rank).put(tensor.detach().clone())
+            else:
+                tensor.copy_(channel.queue(g.port, g.rank).get(timeout=60))
+
+    return FakePyNcclCommunicator
 
 
 class FakeEngine:
@@ -446,6 +553,7 @@ class FakeEngine:
     def add_request(self, request_id, prompt, params, lora_request=None):
         self.llm.check_awake("add_request", {"weights", "kv_cache"})
         assert params.output_kind == RequestOutputKind.FINAL_ONLY
+        assert isinstance(prompt, TokensPrompt) and "prompt" not in prompt, prompt.keys()  # no raw text dicts
         if not self.queue:
             self.position = 0
         self.queue.append((request_id, self.position, prompt, params, lora_request))
@@ -475,13 +583,26 @@ class FakeLLM:
     """Records the engine's calls. Its workers are built as vLLM builds them, with the class
     named by `worker_extension_cls` mixed in; they hold an HF copy of the model from the folder
     vLLM was given, which (without a scripted `reply`) samples the responses itself from the
-    tempered softmax over the allowed ids, recording each token's log-prob."""
+    tempered softmax over the allowed ids, recording each token's log-prob.
+
+    In-process (`distributed_executor_backend="external_launcher"`, which needs
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 when the LLM is built) its one worker's model is where an
+    in-process vLLM keeps it. Every `collective_rpc` passes its arguments through
+    `vllm_rpc_roundtrip`, as vLLM's engine core process receives them: never by reference."""
 
     def __init__(self, kwargs: dict):
         import importlib
 
         self.kwargs, self.events, self.requests, self.reply = kwargs, [], [], None
+        self.rpc_methods: list[str] = []
         self.asleep: set[str] = set()
+        self.inprocess = kwargs.get("distributed_executor_backend") == "external_launcher"
+        if self.inprocess:
+            assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", (
+                "in-process needs V1 multiprocessing off"
+            )
+            assert kwargs["tensor_parallel_size"] == 1
+            assert os.environ.get("RANK") and os.environ.get("WORLD_SIZE") and os.environ.get("MASTER_PORT")
         self.llm_engine = FakeEngine(self)
         self.policy = load_policy(kwargs["model"])  # the weights vLLM loads from the folder
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[kwargs["dtype"]]
@@ -489,10 +610,16 @@ class FakeLLM:
         extension = getattr(importlib.import_module(module), name)
         worker_cls = type("FakeWorker", (extension,), {})  # vLLM: the extension as a base class
         self.workers = []
-        for _ in range(kwargs["tensor_parallel_size"]):
+        for rank in range(kwargs["tensor_parallel_size"]):
             worker = worker_cls()
-            worker.model_runner = types.SimpleNamespace(model=FakeVllmModel(self.policy.model, self.dtype))
+            worker.rank, worker.device = rank, torch.device("cpu")
+            model = FakeVllmModel(self.policy.model, self.dtype, self.events)
+            worker.model_runner = types.SimpleNamespace(model=model)
             self.workers.append(worker)
+        if self.inprocess:  # where an in-process vLLM keeps its model (TRL's colocate mode reads it)
+            self.llm_engine.model_executor = types.SimpleNamespace(
+                driver_worker=types.SimpleNamespace(model_runner=self.workers[0].model_runner)
+            )
 
     def check_awake(self, what: str, parts: set[str]) -> None:
         if self.asleep & parts:
@@ -513,12 +640,20 @@ class FakeLLM:
     def reset_prefix_cache(self) -> None:
         self.events.append(("reset_prefix_cache",))
 
+    def reset_encoder_cache(self) -> None:
+        self.events.append(("reset_encoder_cache",))
+
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         if not isinstance(method, str):
             raise RefusesCode("a function in collective_rpc needs VLLM_ALLOW_INSECURE_SERIALIZATION=1")
-        self.check_awake("collective_rpc", {"weights"})
+        assert not kwargs, "mmrl passes RPC arguments positionally"
+        received = vllm_rpc_roundtrip(tuple(args))
+        if method == "mmrl_receive_weights" or method == "mmrl_init_weight_group":
+            self.check_awake("collective_rpc", {"weights"} if method == "mmrl_receive_weights" else set())
         self.events.append(("collective_rpc", method))
-        return [getattr(w, method)(*args, **(kwargs or {})) for w in self.workers]
+        self.rpc_methods.append(method)
+        # Each worker gets its own decoded copy, as each worker process would.
+        return [getattr(w, method)(*copy.deepcopy(received)) for w in self.workers]
 
     def complete(self, position: int, prompt: dict, params) -> RequestOutput:
         if self.reply is not None:
@@ -537,7 +672,8 @@ class FakeLLM:
 
         model, processor = self.policy.model, self.policy.processor
         images = prompt.get("multi_modal_data", {}).get("image")
-        inputs = processor(text=[prompt["prompt"]], images=images, return_tensors="pt")
+        text = processor.tokenizer.decode(prompt["prompt_token_ids"])  # (vLLM expands the ids itself)
+        inputs = processor(text=[text], images=images, return_tensors="pt")
         vocab = model.get_output_embeddings().weight.shape[0]
         blocked = torch.ones(vocab, dtype=torch.bool)
         blocked[params.allowed_token_ids] = False
@@ -571,10 +707,22 @@ class RequestOutputKind:
     CUMULATIVE, DELTA, FINAL_ONLY = 0, 1, 2
 
 
+class TokensPrompt(dict):
+    """vLLM's `TokensPrompt` (a TypedDict: a dict with `prompt_token_ids`, `multi_modal_data`)."""
+
+
+class Made(list):
+    """The LLMs a test made, and the fake NCCL channel their weights went through."""
+
+    channel: FakeNcclChannel
+
+
 @pytest.fixture()
 def fake_vllm(monkeypatch):
-    """A `vllm` module with LLM, SamplingParams and LoRARequest that record what they get."""
-    made: list[FakeLLM] = []
+    """A `vllm` module with LLM, SamplingParams, TokensPrompt, LoRARequest and the NCCL pieces
+    of weight sync, recording what they get. This process stands in for the trainer's GPU
+    process; its "GPU" is not one of the workers'."""
+    made = Made()
     vllm = types.ModuleType("vllm")
 
     def LLM(**kwargs):
@@ -586,6 +734,8 @@ def fake_vllm(monkeypatch):
     vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
     sampling_params = types.ModuleType("vllm.sampling_params")
     sampling_params.RequestOutputKind = RequestOutputKind
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = TokensPrompt
     lora = types.ModuleType("vllm.lora")
     request = types.ModuleType("vllm.lora.request")
 
@@ -596,10 +746,30 @@ def fake_vllm(monkeypatch):
         lora_path: str
 
     request.LoRARequest = LoRARequest
-    modules = {"vllm": vllm, "vllm.sampling_params": sampling_params, "vllm.lora": lora,
-               "vllm.lora.request": request}  # fmt: skip
+    channel = FakeNcclChannel()
+    utils = types.ModuleType("vllm.distributed.utils")
+    utils.StatelessProcessGroup = FakeStatelessProcessGroup
+    pynccl = types.ModuleType("vllm.distributed.device_communicators.pynccl")
+    pynccl.PyNcclCommunicator = fake_pynccl(channel)
+    modules = {"vllm": vllm, "vllm.sampling_params": sampling_params, "vllm.inputs": inputs, "vllm.lora": lora,
+               "vllm.lora.request": request, "vllm.distributed": types.ModuleType("vllm.distributed"),
+               "vllm.distributed.utils": utils,
+               "vllm.distributed.device_communicators": types.ModuleType("vllm.distributed.device_communicators"),
+               "vllm.distributed.device_communicators.pynccl": pynccl}  # fmt: skip
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
+    for var in (
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        monkeypatch.delenv(var, raising=False)  # (the engine sets them; restored after the test)
+    monkeypatch.setattr(VLLMRolloutEngine, "_sending_device", lambda self: torch.device("cpu"))
+    monkeypatch.setattr(engine_module, "device_uuid", lambda device: "GPU-of-the-trainer")
+    made.channel = channel
     return made
 
 
@@ -620,7 +790,10 @@ def _kinds(events) -> list[str]:
     return [e[0] for e in events]
 
 
-def test_the_engine_sleeps_after_each_batch_and_syncs_through_the_worker_extension(saved_policy, fake_vllm):
+def test_a_separate_engine_sleeps_after_each_batch_and_syncs_over_nccl(saved_policy, fake_vllm):
+    """Tensor parallelism: the engine's workers are other processes. A sync tells them names,
+    dtypes and shapes through the worker extension (by method name: a function would need vLLM
+    V1's insecure serialisation) and broadcasts the tensors over NCCL."""
     cfg = load_config(overrides=["rollout.engine=vllm", "rollout.vllm_sleep_level=1", "rollout.vllm_gpu_memory_utilization=0.3",
                                  "trainer.seed=5", "model.dtype=float32", "rollout.vllm_tensor_parallel_size=2"])  # fmt: skip
     from mmrl.train.async_grpo import make_rollout_engine
@@ -634,7 +807,8 @@ def test_the_engine_sleeps_after_each_batch_and_syncs_through_the_worker_extensi
     assert (kw["dtype"], kw["tensor_parallel_size"], kw["revision"]) == ("float32", 2, None)
     assert kw["logprobs_mode"] == "processed_logprobs"
     assert kw["worker_extension_cls"] == "mmrl.rollout.vllm_worker.WeightSyncExtension"
-    assert "enable_lora" not in kw
+    assert "enable_lora" not in kw and "distributed_executor_backend" not in kw  # worker processes
+    assert engine.weight_sync == "nccl"
 
     samples = make_samples(["colour_code"], 2, "train")
     llm.reply = _reply(saved_policy, samples, 2)
@@ -651,14 +825,15 @@ def test_the_engine_sleeps_after_each_batch_and_syncs_through_the_worker_extensi
     assert lora_request is None
     assert (sampling.n, sampling.logprobs, sampling.max_tokens) == (2, 0, 4)
 
-    # After the update: the trainer's new weights go into every worker's model, by the worker
-    # extension's method name (a function would need vLLM V1's insecure serialisation).
+    # After the update: the trainer's new weights go into every worker's model.
     trained = {k: v + 0.01 for k, v in saved_policy.model.state_dict().items()}
     engine.load_weights(trained)
     for k, v in llm.policy.model.state_dict().items():
         assert torch.equal(v, trained[k]), k
     for worker in llm.workers:  # each tensor-parallel rank got every tensor, once
         assert sorted(worker.model_runner.model.loaded) == sorted(trained)
+    assert len(fake_vllm.channel.sent) == len(trained)  # each broadcast once, over NCCL
+    assert llm.rpc_methods[:2] == ["mmrl_device_uuid", "mmrl_init_weight_group"]  # the group, once
     llm.events.clear()
     engine.generate(samples, SamplingParams(n=2, max_new_tokens=4))
     engine.load_weights(trained)
@@ -670,8 +845,11 @@ def test_the_engine_sleeps_after_each_batch_and_syncs_through_the_worker_extensi
         ("step", "mmrl-1-0"),
         ("sleep", 1),  # the GPU is the trainer's while it updates
         ("wake_up", ["weights"]),  # weights back (KV cache still free) to take the new ones
-        ("collective_rpc", "mmrl_load_weights"),
+        ("collective_rpc", "mmrl_receive_weights"),  # one bucket: its names, dtypes, shapes
+        ("load_weights", len(trained)),  # worker 0 received the bucket and loaded it
+        ("load_weights", len(trained)),  # worker 1
         ("reset_prefix_cache",),  # cached prefixes were computed with the old weights
+        ("reset_encoder_cache",),  # so were cached image features
     ]
     with pytest.raises(KeyError, match="missing"):
         engine.load_weights({k: v for k, v in trained.items() if "lm_head" not in k})
@@ -752,7 +930,15 @@ def test_sleep_level_zero_never_sleeps(saved_policy, fake_vllm):
     llm.reply = _reply(saved_policy, samples, 1)
     engine.generate(samples, SamplingParams(n=1, max_new_tokens=4))
     engine.load_weights(saved_policy.model.state_dict())
-    assert _kinds(llm.events) == ["add_request", "step", "collective_rpc", "reset_prefix_cache"]
+    # In-process: straight into the model; never asleep, so the encoder cache would otherwise
+    # serve image features of the old weights.
+    assert _kinds(llm.events) == [
+        "add_request",
+        "step",
+        "load_weights",
+        "reset_prefix_cache",
+        "reset_encoder_cache",
+    ]
 
 
 def test_sleep_level_two_sends_the_last_weights_again_before_generating(saved_policy, fake_vllm):
@@ -772,7 +958,10 @@ def test_sleep_level_two_sends_the_last_weights_again_before_generating(saved_po
     engine.generate(samples, params)  # the fake's level-2 sleep zeroes the weights after it
     llm.events.clear()
     engine.generate(samples, params)
-    assert _kinds(llm.events) == ["wake_up", "collective_rpc", "wake_up", "add_request", "step", "sleep"]
+    assert _kinds(llm.events) == [
+        "wake_up", "load_weights", "reset_prefix_cache", "reset_encoder_cache", "wake_up", "add_request", "step",
+        "sleep",
+    ]  # fmt: skip
     llm.wake_up()
     engine.load_weights(trained)  # (to read the weights back, awake)
     assert all(torch.equal(v, trained[k]) for k, v in llm.policy.model.state_dict().items())
@@ -816,7 +1005,7 @@ def test_a_lora_policy_syncs_its_adapters_as_a_new_lora_request(tmp_path, fake_v
     engine = VLLMRolloutEngine.from_policy(policy, cfg)
     (llm,) = fake_vllm
     assert engine.mode == "adapter"
-    assert (llm.kwargs["enable_lora"], llm.kwargs["max_lora_rank"]) == (True, 4)
+    assert (llm.kwargs["enable_lora"], llm.kwargs["max_lora_rank"]) == (True, 8)  # rank 4, rounded up
 
     samples = make_samples(["colour_code"], 1, "train")
     llm.reply = _reply(policy, samples, 1)
@@ -839,9 +1028,125 @@ def test_a_lora_policy_syncs_its_adapters_as_a_new_lora_request(tmp_path, fake_v
         folders.append(folder)
     assert not folders[0].exists()  # the previous adapter is gone
     assert ("remove_lora", 1) in llm.events  # vLLM forgets the previous adapter
-    assert "collective_rpc" not in _kinds(llm.events)  # adapters only, never full weights
+    assert "collective_rpc" not in _kinds(llm.events) and "load_weights" not in _kinds(
+        llm.events
+    )  # adapters only
+    assert _kinds(llm.events).count("reset_encoder_cache") == 2  # after each adapter sync too
     engine.close()
     assert not folders[1].exists()
+
+
+def _state_with_buffers(policy) -> dict[str, torch.Tensor]:
+    """The policy's weights, plus an int64 and a bool tensor (buffers of other models)."""
+    return {**policy.model.state_dict(), "counts": torch.arange(3), "flags": torch.tensor([True, False])}
+
+
+def test_every_rpc_message_mmrl_sends_arrives_unchanged_through_vllms_msgpack(saved_policy, fake_vllm):
+    """Both weight syncs, driven end to end against the stand-in whose every `collective_rpc`
+    goes through `vllm_rpc_roundtrip` (msgpack, decoded untyped as vLLM's engine core does):
+    each message arrives unchanged and none holds a tensor; every method of the worker
+    extension was called that way; the tensors went over the (fake) NCCL group, not the RPC."""
+    from mmrl.rollout.vllm_worker import WeightSyncExtension
+
+    samples = make_samples(["colour_code"], 1, "train")
+    trained = {k: v + 0.01 for k, v in saved_policy.model.state_dict().items()}
+    for tp in (2, 1):
+        cfg = load_config(overrides=["model.dtype=float32", f"rollout.vllm_tensor_parallel_size={tp}"])
+        engine = VLLMRolloutEngine.from_policy(saved_policy, cfg)
+        llm = fake_vllm[-1]
+        llm.reply = _reply(saved_policy, samples, 1)
+        for _ in range(2):
+            engine.generate(samples, SamplingParams(n=1, max_new_tokens=4))
+            engine.load_weights(trained)
+        assert all(torch.equal(v, trained[k]) for k, v in llm.policy.model.state_dict().items())
+        if tp == 2:
+            methods = {m for m in vars(WeightSyncExtension) if m.startswith("mmrl_")}
+            assert set(llm.rpc_methods) == methods, llm.rpc_methods
+            assert llm.rpc_methods.count("mmrl_init_weight_group") == 1  # the group is made once
+            assert len(fake_vllm.channel.sent) == 2 * len(trained)
+        else:
+            assert llm.rpc_methods == []  # in-process: no RPC at all
+    # The messages themselves, with every dtype a state dict holds.
+    for bucket in engine_module.weight_buckets(
+        _state_with_buffers(saved_policy).items(), torch.bfloat16, 4096
+    ):
+        message = engine_module.sync_message(bucket)
+        assert vllm_rpc_roundtrip((message,)) == [message]
+        assert message["dtypes"][0] in ("bfloat16", "int64", "bool")
+
+
+def test_the_round_trip_refuses_tensors_and_flags_what_msgpack_changes():
+    """What the previous sync sent (name, tensor pairs) fails the round trip, as it failed in
+    vLLM; so would a tuple (it arrives as a list) or a function; `plain` refuses them before
+    anything is sent."""
+    old_payload = [("lm_head.weight", torch.ones(2, 2))]
+    with pytest.raises(TensorInRpc):
+        vllm_rpc_roundtrip((old_payload,))
+    with pytest.raises(ChangedInRpc, match="sent a tuple, the worker got a list"):
+        vllm_rpc_roundtrip(({"shapes": [(2, 3)]},))
+    with pytest.raises(RefusesCode):
+        vllm_rpc_roundtrip((lambda worker: None,))
+    assert vllm_rpc_roundtrip(({"names": ["a"], "shapes": [[2, 3]], "n": 1.5, "x": None},))
+    with pytest.raises(TypeError, match=r"argument 0 of m\[0\]\[1\] is a Tensor"):
+        engine_module.plain([["lm_head.weight", torch.ones(2)]], "argument 0 of m")
+    with pytest.raises(TypeError, match=r"m\[0\] is a tuple"):
+        engine_module.plain(old_payload, "m")
+    with pytest.raises(TypeError, match="is a tuple"):
+        engine_module.plain({"shape": (1, 2)})
+    with pytest.raises(TypeError, match="int key"):
+        engine_module.plain({1: "a"})
+
+
+def test_an_inprocess_engine_is_built_in_this_process_and_loads_weights_into_its_model(
+    saved_policy, fake_vllm
+):
+    engine = VLLMRolloutEngine.from_policy(saved_policy, load_config(overrides=["model.dtype=float32"]))
+    (llm,) = fake_vllm
+    assert engine.weight_sync == "inprocess" and llm.inprocess
+    assert llm.kwargs["distributed_executor_backend"] == "external_launcher"
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and os.environ["WORLD_SIZE"] == "1"
+    trained = {k: v - 0.02 for k, v in saved_policy.model.state_dict().items()}
+    engine.load_weights(trained)
+    assert all(torch.equal(v, trained[k]) for k, v in llm.policy.model.state_dict().items())
+    assert llm.rpc_methods == [] and _kinds(llm.events)[-2:] == ["reset_prefix_cache", "reset_encoder_cache"]
+
+
+def test_nccl_sync_refuses_a_gpu_the_engine_uses(saved_policy, fake_vllm, monkeypatch):
+    monkeypatch.setattr(engine_module, "device_uuid", lambda device: "")  # the workers' "GPU" (the CPU)
+    cfg = load_config(overrides=["model.dtype=float32", "rollout.vllm_weight_sync=nccl"])
+    engine = VLLMRolloutEngine.from_policy(saved_policy, cfg)
+    with pytest.raises(RuntimeError, match="NCCL cannot connect two ranks on one GPU"):
+        engine.load_weights(saved_policy.model.state_dict())
+
+
+def test_an_engine_without_reset_encoder_cache_is_refused(saved_policy, fake_vllm, monkeypatch):
+    monkeypatch.delattr(FakeLLM, "reset_encoder_cache")
+    with pytest.raises(ImportError, match="no LLM.reset_encoder_cache"):
+        VLLMRolloutEngine.from_policy(saved_policy, load_config(overrides=["model.dtype=float32"]))
+
+
+def test_lora_ranks_round_up_to_what_vllm_builds(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="mmrl.rollout.vllm"):
+        got = [engine_module.vllm_lora_rank(r) for r in (1, 4, 8, 64, 65, 300, 320, 512)]
+    assert got == [1, 8, 8, 64, 128, 320, 320, 512]
+    assert "max_lora_rank 8 for LoRA rank 4" in caplog.text and "for LoRA rank 64" not in caplog.text
+    with pytest.raises(ValueError, match="LoRA rank 513 .* above 512"):
+        engine_module.vllm_lora_rank(513)
+    with pytest.raises(ValueError, match="model.lora_rank=600 with rollout.engine=vllm"):
+        load_config(overrides=["rollout.engine=vllm", "model.lora_rank=600"])
+    assert load_config(overrides=["model.lora_rank=600"]).model.lora_rank == 600  # the HF engine merges
+
+
+def test_weight_sync_settings():
+    assert engine_module.weight_sync_mode("auto", 1) == "inprocess"
+    assert engine_module.weight_sync_mode("auto", 2) == "nccl"
+    assert engine_module.weight_sync_mode("nccl", 1) == "nccl"
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 use nccl"):
+        engine_module.weight_sync_mode("inprocess", 2)
+    with pytest.raises(ValueError, match="rollout.vllm_weight_sync must be auto, inprocess or nccl"):
+        load_config(overrides=["rollout.vllm_weight_sync=rpc"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -852,8 +1157,8 @@ def test_a_lora_policy_syncs_its_adapters_as_a_new_lora_request(tmp_path, fake_v
 def test_the_synchronous_loop_generates_with_vllm_asleep_during_each_update(saved_policy, fake_vllm, tmp_path,
                                                                             monkeypatch):  # fmt: skip
     """`rollout.engine=vllm` with the default loop: every rollout and evaluation comes from the
-    (stand-in) vLLM engine, which sleeps through each update and gets the new weights after it
-    through the worker extension. The stand-in samples with the weights it was sent, so its
+    (stand-in) vLLM engine, in this process, which sleeps through each update and gets the new
+    weights loaded into its model after it. The stand-in samples with the weights it was sent, so its
     log-probs equal the trainer's recomputation only if every sync arrived (a missed one after
     an update at this learning rate differs by ~1e-3)."""
     import mmrl.train.grpo as grpo
@@ -880,8 +1185,10 @@ def test_the_synchronous_loop_generates_with_vllm_asleep_during_each_update(save
             f"trainer.run_dir={tmp_path / 'run'}", "trainer.dump_steps=true",
         ],
     )  # fmt: skip
-    assert grpo.composition(cfg).make_trainee.__module__ == "mmrl.train.colocated"
-    result = grpo.train(cfg)
+    from mmrl import compose
+
+    assert compose.composition(cfg).make_trainee.__module__ == "mmrl.train.colocated"
+    result = compose.train(cfg)
     assert result.steps == 2
     (llm,) = fake_vllm
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -899,8 +1206,8 @@ def test_the_synchronous_loop_generates_with_vllm_asleep_during_each_update(save
     # The order within a step: generate (awake), sleep, update, wake the weights, sync.
     wake, wake_weights = ("wake_up", None), ("wake_up", ["weights"])
     events = [e[:2] if e[0] == "wake_up" else e[:1] for e in llm.events if e[0] in ("wake_up", "sleep", "update",
-                                                                                  "collective_rpc")]  # fmt: skip
-    sleep, update, sync = ("sleep",), ("update",), ("collective_rpc",)
+                                                                                  "load_weights")]  # fmt: skip
+    sleep, update, sync = ("sleep",), ("update",), ("load_weights",)  # in-process: straight into the model
     step = [wake, sleep, update, wake_weights, sync]  # generate awake, sleep, update, new weights
     assert events == [
         sleep,  # the evaluation at step 0 (vLLM starts awake), then asleep

@@ -504,6 +504,33 @@ def _weighted_iou(
     return total / len(thresholds)
 
 
+def _iou_thresholds(threshold: float | str, context: VerifyContext) -> tuple[float, ...]:
+    """The IoU thresholds a sample's `iou_threshold` names: `average` (0.5:0.05:0.95),
+    `dynamic` (one, by training progress), or the one number given."""
+    if threshold == "average":
+        return AVERAGE_THRESHOLDS
+    if threshold == "dynamic":
+        return (dynamic_iou_threshold(context.step, context.total_steps),)
+    return (float(threshold),)
+
+
+def _pure_scores(
+    pred: list[Box], gt: list[Box], thresholds: Sequence[float], ious: list[list[float]], cw: float
+) -> dict[str, float]:
+    """The scores before the size penalty: each matching's weighted IoU (mean over
+    `thresholds`) and COCO mAP (`map`, `map50`, `map75`)."""
+    return {
+        "iou_max_iou_first": _weighted_iou(match_max_iou_first, pred, gt, thresholds, ious, cw),
+        "iou_max_label_first": _weighted_iou(match_label_first, pred, gt, thresholds, ious, cw),
+        **coco_map(pred, gt),
+    }
+
+
+def _penalised_accuracy(weights: dict[str, float], penalty: float, scores: dict[str, float]) -> float:
+    """The accuracy: the `weights`-weighted mean of the scores, each times the size penalty."""
+    return sum(w * penalty * scores[k] for k, w in weights.items()) / sum(weights.values())
+
+
 @register_verifier("detection")
 class DetectionVerifier(Verifier):
     """Box-list answers scored against ground-truth boxes (IoU matchings and COCO mAP, mixed
@@ -512,7 +539,15 @@ class DetectionVerifier(Verifier):
     def check_sample(self, sample: Sample) -> None:
         check_format_param(sample)
         detection_params(sample)
-        if not ground_truth_boxes(sample.reward_model.ground_truth):
+        gold = sample.reward_model.ground_truth
+        if isinstance(gold, str) and len(answer_text(gold)) > MAX_ANSWER_CHARS:
+            raise SampleFieldError(
+                "reward_model.ground_truth",
+                f"is a box list of {len(answer_text(gold)):,} characters, more than the "
+                f"{MAX_ANSWER_CHARS:,} this verifier reads from a string (about 2,000 boxes): give the "
+                "boxes as a JSON array instead of a string (an array has no such limit)",
+            )
+        if not ground_truth_boxes(gold):
             raise SampleFieldError(
                 "reward_model.ground_truth",
                 'holds no valid box (expected [{"bbox_2d": [x1, y1, x2, y2], "label": "..."}, ...])',
@@ -531,29 +566,18 @@ class DetectionVerifier(Verifier):
             pred = rescale_boxes(pred, *params["image_size"])
 
         threshold = params["iou_threshold"]
-        if threshold == "average":
-            thresholds: tuple[float, ...] = AVERAGE_THRESHOLDS
-        elif threshold == "dynamic":
-            thresholds = (dynamic_iou_threshold(context.step, context.total_steps),)
-        else:
-            thresholds = (float(threshold),)
-
+        thresholds = _iou_thresholds(threshold, context)
         penalty = size_penalty(len(pred), len(gt))
         report: dict[str, float] = {}
         if pred:
             cw = params["completeness_weight"]
             ious = iou_matrix(pred, gt)
-            scores = {
-                "iou_max_iou_first": _weighted_iou(match_max_iou_first, pred, gt, thresholds, ious, cw),
-                "iou_max_label_first": _weighted_iou(match_label_first, pred, gt, thresholds, ious, cw),
-                **coco_map(pred, gt),
-            }
+            scores = _pure_scores(pred, gt, thresholds, ious, cw)
             for t in REPORT_THRESHOLDS:
                 found = matching_scores(match_max_iou_first(pred, gt, t, ious), len(pred), len(gt), cw)
                 report[f"precision@{t:g}"] = found["precision"]
                 report[f"recall@{t:g}"] = found["recall"]
-            weights = params["weights"]
-            accuracy = sum(w * penalty * scores[k] for k, w in weights.items()) / sum(weights.values())
+            accuracy = _penalised_accuracy(params["weights"], penalty, scores)
         else:  # no valid box: nothing to score
             scores = dict.fromkeys(SCORE_KEYS, 0.0)
             report = {f"{kind}@{t:g}": 0.0 for t in REPORT_THRESHOLDS for kind in ("precision", "recall")}
@@ -674,21 +698,11 @@ def score_vtriune(
     components: dict[str, float] = dict.fromkeys(VTRIUNE_COMPONENTS, 0.0)
     accuracy = 0.0
     if pred:
-        threshold = params["iou_threshold"]
-        if threshold == "average":
-            thresholds: tuple[float, ...] = AVERAGE_THRESHOLDS
-        elif threshold == "dynamic":
-            thresholds = (dynamic_iou_threshold(context.step, context.total_steps),)
-        else:
-            thresholds = (float(threshold),)
+        thresholds = _iou_thresholds(params["iou_threshold"], context)
         cw = params["completeness_weight"]
         ious = iou_matrix(pred, gt)
         penalty = size_penalty(len(pred), len(gt))
-        pure = {
-            "iou_max_iou_first": _weighted_iou(match_max_iou_first, pred, gt, thresholds, ious, cw),
-            "iou_max_label_first": _weighted_iou(match_label_first, pred, gt, thresholds, ious, cw),
-            **coco_map(pred, gt),
-        }
+        pure = _pure_scores(pred, gt, thresholds, ious, cw)
         components.update(
             size_penalty=penalty,
             pure_iou_score_max_iou=pure["iou_max_iou_first"],
@@ -710,8 +724,7 @@ def score_vtriune(
                 components[f"{name}_pure"] = found["mean_iou"]
                 components[f"{name}_precision"] = found["precision"]
                 components[f"{name}_recall"] = found["recall"]
-        weights = params["weights"]
-        accuracy = sum(w * penalty * pure[k] for k, w in weights.items()) / sum(weights.values())
+        accuracy = _penalised_accuracy(params["weights"], penalty, pure)
     return VerifierResult(
         score=mix_score(sample, accuracy, fmt),
         components={"accuracy": accuracy, "format": fmt, **components},

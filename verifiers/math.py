@@ -17,6 +17,9 @@ What a policy cannot get reward for (each closed hole has a test in tests/test_m
   of the answer scores 0: math-verify drops such groups as units, so `3\\text{ (or 4)}` would
   otherwise count as 3.
 - **Flooding.** More than `MAX_BOXED_ANSWERS` different boxes are not parsed (accuracy 0).
+- **Babbling.** An answer past a cap of `context.limits` (`mmrl.types.AnswerLimits`: length,
+  bracket nesting, tokens) is not parsed: an error result of its own kind
+  (`answer_too_long`, ...), at once instead of after math-verify's time-out.
 
 With `verifier_params.style = "vtriune"` (what `/judge` uses for V-Triune's `mathverify`) the
 accuracy is V-Triune's own: both texts lower-cased, the gold parsed with math-verify's
@@ -33,6 +36,7 @@ import re
 
 from mmrl.types import Sample, VerifierResult, VerifyContext
 from mmrl.verifiers.format import answer_tag_content, check_format_param, format_score
+from mmrl.verifiers.limits import answer_limit_error
 from mmrl.verifiers.registry import SampleFieldError, Verifier, mix_score, register_verifier
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -244,6 +248,10 @@ class MathVerifier(Verifier):
         gold = str(sample.reward_model.ground_truth)
         answer = extract_answer(response)
         problem = malformed_answer(response, answer) if answer is not None else None
+        if answer is not None and problem is None:
+            too_big = answer_limit_error(answer, context.limits)
+            if too_big is not None:  # refused before math-verify spends its time limit on it
+                return VerifierResult(score=0.0, error=too_big)
         accuracy = 0.0
         if _style(sample) == "vtriune":
             # V-Triune reads the whole response; the guards still veto a malformed answer region.

@@ -1,4 +1,10 @@
-"""The verifier registry and the base class every verifier follows."""
+"""The verifier registry and the base class every verifier follows.
+
+This module stands below the verifiers that register into it and imports none of them. The
+built-in verifiers register when the package `mmrl.verifiers` is imported, which Python does
+before any of its modules, this one included: so `get_verifier("math")` finds the built-ins
+whichever way it was imported.
+"""
 
 from __future__ import annotations
 
@@ -94,22 +100,17 @@ def register_verifier(name: str) -> Callable[[V], V]:
 
 def get_verifier(name: str) -> Verifier:
     """The registered verifier called `name` (KeyError if unknown)."""
-    import mmrl.verifiers  # noqa: F401 - make sure the built-in verifiers are registered
-
     return _REGISTRY[name]
 
 
 def warm_up_verifiers() -> None:
     """`warm_up()` every registered verifier."""
-    import mmrl.verifiers  # noqa: F401
-
     for verifier in _REGISTRY.values():
         verifier.warm_up()
 
 
 def verifier_names() -> list[str]:
-    import mmrl.verifiers  # noqa: F401
-
+    """The registered verifier names, sorted."""
     return sorted(_REGISTRY)
 
 

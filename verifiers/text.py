@@ -1,11 +1,13 @@
 """The `ocr`, `choice`, `number` and `counting` verifiers: short textual answers.
 
 All four take the final answer with the shared rule of `mmrl.verifiers.math.extract_answer` (the
-`\\boxed{}` answer, several different boxes joined into the set they form so that hedging is never
-right by luck, else the last `<answer>...</answer>` body; see `final_answer`). `ocr` and
-`choice` then fall back to the whole response, stripped, because models often answer those bare
-("STOP", "B"); `number` and `counting` do not (a bare response is full of numbers that are not
-the answer).
+`\\boxed{}` answer, several different boxes joined into the set they form, else the last
+`<answer>...</answer>` body; see `final_answer`). `ocr` and `choice` then fall back to the whole
+response, stripped, because models often answer those bare ("STOP", "B"); `number` and
+`counting` do not (a bare response is full of numbers that are not the answer). Hedging is
+never right by luck: `number` and `counting` call an answer holding two different values
+malformed (`\\boxed{3} or \\boxed{4}`, `<answer>3 or 4</answer>`), and both refuse an answer
+past `context.limits` (`mmrl.verifiers.limits`) before reading it.
 
 Each verifier reports `accuracy` and `format` components and mixes them with the sample's
 `accuracy_ratio` / `format_ratio` (`mix_score`). The `format` component is
@@ -41,6 +43,7 @@ from typing import Any
 
 from mmrl.types import Sample, VerifierResult, VerifyContext
 from mmrl.verifiers.format import check_format_param, format_score
+from mmrl.verifiers.limits import answer_limit_error
 from mmrl.verifiers.math import extract_answer
 from mmrl.verifiers.registry import SampleFieldError, Verifier, mix_score, register_verifier
 
@@ -123,6 +126,14 @@ def _result(
         components={"accuracy": accuracy, "format": fmt, **extra},
         extracted=extracted,
     )
+
+
+def _malformed(response: str, sample: Sample, answer: str) -> VerifierResult:
+    """An answer that must not be credited (two different final answers): accuracy 0, no
+    gradable answer for the format component, and `malformed` 1 (as the math verifier)."""
+    result = _result(response, sample, 0.0, False, answer)
+    result.components["malformed"] = 1.0
+    return result
 
 
 # --------------------------------------------------------------------------- ocr
@@ -520,6 +531,17 @@ def parse_number(text: str, percent: str = "as_is") -> float | None:
     return None if last is None else _number_value(last, percent)
 
 
+def number_values(text: str, percent: str = "as_is") -> list[float]:
+    """Every distinct number in `text`, read as `parse_number` reads one, in order of first
+    appearance ("3 or 4" -> [3, 4]; "1,234.5 cm" -> [1234.5]; "1.2\\times10^{3}" -> [1200])."""
+    values: list[float] = []
+    for found in _NUMBER.finditer(_prepare_number_text(text)):
+        value = _number_value(found, percent)
+        if value is not None and value not in values:
+            values.append(value)
+    return values
+
+
 def _gold_text(gold: Any) -> str:
     """A ground truth as text; a boxed / `<answer>` ground truth is unwrapped."""
     text = str(gold)
@@ -554,7 +576,9 @@ class NumberVerifier(Verifier):
     Accuracy 1 if |pred - gold| <= max(rel_tol * |gold|, abs_tol): for a ground truth of 0 set
     `abs_tol`. Components: `accuracy`, `format`, `relative_error` (|pred - gold| / max(|gold|,
     1e-12), capped at 1e6; absent when no number was found). The answer must be boxed or in
-    `<answer>`: a bare response is not read.
+    `<answer>`: a bare response is not read. An answer holding two different numbers (`\\boxed{3}
+    or \\boxed{4}`, `<answer>3 or 4</answer>`, a range "3-5") is malformed: accuracy 0, format 0,
+    component `malformed` (a hedge is never right by luck); a number written twice is one.
     """
 
     def check_sample(self, sample: Sample) -> None:
@@ -581,6 +605,11 @@ class NumberVerifier(Verifier):
         if gold is None:
             raise ValueError(f"ground truth {sample.reward_model.ground_truth!r} is not a finite number")
         answer = final_answer(response)
+        if answer is not None:
+            if (too_big := answer_limit_error(answer, context.limits)) is not None:
+                return VerifierResult(score=0.0, error=too_big)
+            if len(number_values(answer, percent)) > 1:  # "3 or 4": a hedge is never right
+                return _malformed(response, sample, answer)
         predicted = parse_number(answer, percent) if answer is not None else None
         if predicted is None:
             return _result(response, sample, 0.0, False, answer)
@@ -624,6 +653,17 @@ def parse_count(text: str) -> int | None:
     return None if last is None else _WORD_VALUES[last.group(1).lower()]
 
 
+def count_values(text: str) -> list[str]:
+    """The distinct numbers of `text` as `parse_count` would read them: its digit numbers (as
+    written, "1,024" as 1024), or, when it has none, its number words."""
+    numbers = [
+        m["int"].replace(",", "") + (m["frac"] or "").rstrip("0").rstrip(".") for m in _INTEGER.finditer(text)
+    ]
+    if not numbers:
+        numbers = [str(_WORD_VALUES[m.group(1).lower()]) for m in _NUMBER_WORD.finditer(text)]
+    return list(dict.fromkeys(n.lstrip("0") or "0" for n in numbers))
+
+
 def _count_gold(gold: Any) -> int:
     """A non-negative int or digit string as an int; ValueError otherwise."""
     if isinstance(gold, int) and not isinstance(gold, bool) and gold >= 0:
@@ -638,7 +678,9 @@ class CountingVerifier(Verifier):
     """How many: an exact integer. Ground truth: a non-negative int or a digit string. Param
     `partial` (bool, default false): accuracy max(0, 1 - |pred - gold| / max(gold, 1)) instead
     of exact match. Components: `accuracy`, `format`, `abs_error` (absent when no count was
-    found). The answer must be boxed or in `<answer>` (see `parse_count`).
+    found). The answer must be boxed or in `<answer>` (see `parse_count`). An answer holding
+    two different counts ("3 or 4", "three or four"; digits decide when there are any) is
+    malformed: accuracy 0, format 0, component `malformed`.
     """
 
     def check_sample(self, sample: Sample) -> None:
@@ -654,6 +696,11 @@ class CountingVerifier(Verifier):
     def score(self, response: str, sample: Sample, context: VerifyContext) -> VerifierResult:
         gold = _count_gold(sample.reward_model.ground_truth)
         answer = final_answer(response)
+        if answer is not None:
+            if (too_big := answer_limit_error(answer, context.limits)) is not None:
+                return VerifierResult(score=0.0, error=too_big)
+            if len(count_values(answer)) > 1:  # "3 or 4": a hedge is never right
+                return _malformed(response, sample, answer)
         predicted = parse_count(answer) if answer is not None else None
         if predicted is None:
             return _result(response, sample, 0.0, False, answer)

@@ -15,24 +15,30 @@ whose rewards are all equal, gives advantage 0 to the rows it would have normali
 | `grpo` | (r_i - mean_group) / (std_group + eps) |
 | `dr_grpo` | r_i - mean_group |
 | `rloo` | r_i - mean_{j != i in group} r_j |
-| `reinforce_pp` | (r_i - mean_batch) / (std_batch + eps) |
+| `reinforce_pp` | r_i whitened per token over the batch (veRL's `masked_whiten`) |
 | `reinforce_pp_baseline` | x_i = r_i - mean_group, then whitened per token over the batch (veRL's `masked_whiten`) |
 | `gdpo` | sum_k w_k grpo(r[:, k]), then batch-normalised as above (or only scaled, or neither) |
 | `remax` | r_i - b_i, b_i the reward of the greedy response to row i's prompt |
 | `opo` | r_i - sum_j L_j r_j / sum_j L_j over the group (L: response tokens) |
 | `gpg` | alpha (r_i - mean_group), alpha = valid rows / rows of groups with a spread |
 | `pass_at_k` | the analytic pass@k advantage of a binary reward (Chen et al. 2025) |
+| `grpo_passk` | veRL's: (r_max - r_second) / (std_group + eps) for the group's best response, 0 for the rest |
 
 Every std is the unbiased sample std (Bessel), as in TRL and veRL, except `pass_at_k`'s, which
 is the Bernoulli std sqrt(p (1 - p)) its paper derives.
+
+All but `gdpo` are written over one batch's rewards grouped by prompt, r and v [B, G], and
+registered with `group_estimator`, which checks the inputs and groups the rows for all of them.
 
 Estimators that need more than the rewards say so in a set and take it as a keyword argument:
 `token_counts` ([N] response tokens, `TOKEN_WEIGHTED`), `baselines` ([N] the greedy response's
 reward, `NEEDS_BASELINE`), `k` (`pass_at_k`).
 
-The first three are *group-local*: a group's advantages depend on that group's rewards alone, so
-the trainer may update on the first mini-batch's groups while later groups are still being
-scored (`reward.update_while_scoring`). The batch-normalised ones need every reward first.
+Those in `GROUP_LOCAL` (`grpo`, `dr_grpo`, `rloo`, `remax`, `opo`, `pass_at_k`, `grpo_passk`) are
+*group-local*: a group's advantages depend on that group's rows alone, so the trainer may update
+on the first mini-batch's groups while later groups are still being scored
+(`reward.update_while_scoring`; tests/test_algos_registry.py checks the property for each). The
+batch-normalised ones need every reward first.
 """
 
 from __future__ import annotations
@@ -42,12 +48,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 AdvantageFn = Callable[..., torch.Tensor]
+GroupFn = Callable[..., torch.Tensor]
+"""`fn(r [B, G], v [B, G], eps, **options) -> [B, G]`: an estimator over grouped rewards."""
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 GROUP_LOCAL: set[str] = set()
 """Estimators whose advantages for a group read only that group's rewards."""
-TOKEN_WEIGHTED: set[str] = {"reinforce_pp_baseline", "opo"}
-"""Estimators that take `token_counts` ([N] response tokens per row): veRL whitens them per
-token; OPO weighs its baseline by them."""
+TOKEN_WEIGHTED: set[str] = {"reinforce_pp", "reinforce_pp_baseline", "opo"}
+"""Estimators that take `token_counts` ([N] response tokens per row): veRL whitens the
+REINFORCE++ ones per token; OPO weighs its baseline by them."""
 NEEDS_BASELINE: set[str] = {"remax"}
 """Estimators that take `baselines` ([N] the reward of a greedy response to each row's prompt)."""
 
@@ -98,6 +106,35 @@ def _prepare(
     return r, v
 
 
+def group_estimator(name: str, group_local: bool = False) -> Callable[[GroupFn], AdvantageFn]:
+    """Decorator: register `fn(r, v, eps, **options) -> [B, G]` as the estimator `name`, called
+    with the common signature `(rewards, group_size, *, eps=1e-6, valid=None, **options) -> [N]`.
+
+    The registered estimator checks `rewards` [N], `group_size` and `valid` once for all
+    (`_prepare`), and gives `fn` them grouped, prompt by prompt: r [B, G] float32 rewards (0 on
+    invalid rows) and v [B, G] bool, B = N / G; options (`token_counts`, ...) pass through.
+    `fn`'s docstring, which becomes the estimator's, is written for that common call.
+    """
+
+    def wrap(fn: GroupFn) -> AdvantageFn:
+        def estimator(
+            rewards: torch.Tensor,
+            group_size: int,
+            *,
+            eps: float = 1e-6,
+            valid: torch.Tensor | None = None,
+            **options,
+        ) -> torch.Tensor:
+            r, v = _prepare(rewards, group_size, valid)
+            return fn(r.view(-1, group_size), v.view(-1, group_size), eps, **options).reshape(-1)
+
+        estimator.__name__, estimator.__qualname__ = fn.__name__, fn.__qualname__
+        estimator.__doc__ = fn.__doc__
+        return register_advantage(name, group_local)(estimator)
+
+    return wrap
+
+
 def _standardise(
     x: torch.Tensor, mask: torch.Tensor, eps: float, *, centre: bool = True, scale: bool = True
 ) -> torch.Tensor:
@@ -108,24 +145,31 @@ def _standardise(
     """
     if x.numel() == 0:
         return torch.zeros_like(x)
-    n = mask.sum(dim=-1, keepdim=True).to(x.dtype)
-    xm = torch.where(mask, x, torch.zeros_like(x))
-    mean = xm.sum(dim=-1, keepdim=True) / n.clamp(min=1)
-    out = torch.where(mask, x - mean, torch.zeros_like(x)) if centre else xm
+    _, mean, std = _masked_mean_std(x, mask)
+    out = torch.where(mask, x - mean if centre else x, torch.zeros_like(x))
     if scale:
-        var = torch.where(mask, x - mean, torch.zeros_like(x)).square().sum(dim=-1, keepdim=True)
-        std = (var / (n - 1).clamp(min=1)).sqrt()
         out = out / (std + eps)
-    hi = torch.where(mask, x, torch.full_like(x, -torch.inf)).amax(dim=-1, keepdim=True)
-    lo = torch.where(mask, x, torch.full_like(x, torch.inf)).amin(dim=-1, keepdim=True)
-    degenerate = (n < 2) | (hi == lo)
-    return torch.where(mask & ~degenerate, out, torch.zeros_like(out))
+    return torch.where(mask & _spread(x, mask), out, torch.zeros_like(out))
 
 
-@register_advantage("grpo", group_local=True)
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = 1e-6, valid: torch.Tensor | None = None
-) -> torch.Tensor:
+def _masked_mean_std(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(count, mean, unbiased std) of x along the last dim over `mask`ed entries, each [..., 1]
+    (mean 0 without entries; the std divides by max(count - 1, 1))."""
+    n = mask.sum(dim=-1, keepdim=True).to(x.dtype)
+    mean = torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1, keepdim=True) / n.clamp(min=1)
+    var = torch.where(mask, x - mean, torch.zeros_like(x)).square().sum(dim=-1, keepdim=True)
+    return n, mean, (var / (n - 1).clamp(min=1)).sqrt()
+
+
+def _spread(grouped: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[..., 1] True where a slice has at least two masked entries and they are not all equal."""
+    hi = torch.where(mask, grouped, torch.full_like(grouped, -torch.inf)).amax(dim=-1, keepdim=True)
+    lo = torch.where(mask, grouped, torch.full_like(grouped, torch.inf)).amin(dim=-1, keepdim=True)
+    return (mask.sum(dim=-1, keepdim=True) >= 2) & (hi > lo)
+
+
+@group_estimator("grpo", group_local=True)
+def group_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (r_i - mean(group)) / (std(group) + eps).
 
     Args:
@@ -140,14 +184,11 @@ def group_advantages(
         fewer than two valid responses has no baseline and gets advantage 0, and so does a group
         whose valid rewards are all equal.
     """
-    r, v = _prepare(rewards, group_size, valid)
-    return _standardise(r.view(-1, group_size), v.view(-1, group_size), eps).view(-1)
+    return _standardise(r, v, eps)
 
 
-@register_advantage("dr_grpo", group_local=True)
-def dr_grpo_advantages(
-    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
-) -> torch.Tensor:
+@group_estimator("dr_grpo", group_local=True)
+def dr_grpo_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = r_i - mean(group).
 
     Dropping GRPO's division by the group std removes its question-difficulty bias (groups that
@@ -161,14 +202,11 @@ def dr_grpo_advantages(
         [B x G]; 0 for invalid rows and for groups with fewer than two valid rows.
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
-    return _standardise(r.view(-1, group_size), v.view(-1, group_size), 0.0, scale=False).view(-1)
+    return _standardise(r, v, 0.0, scale=False)
 
 
-@register_advantage("rloo", group_local=True)
-def rloo_advantages(
-    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
-) -> torch.Tensor:
+@group_estimator("rloo", group_local=True)
+def rloo_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j.
 
     The leave-one-out baseline over the n valid rows of the group equals
@@ -181,43 +219,86 @@ def rloo_advantages(
         [B x G]; 0 for invalid rows and for groups with fewer than two valid rows (no baseline).
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
-    grouped, mask = r.view(-1, group_size), v.view(-1, group_size)
-    n = mask.sum(dim=1, keepdim=True).float()
-    centred = _standardise(grouped, mask, 0.0, scale=False)
-    return (centred * n / (n - 1).clamp(min=1)).view(-1)
+    n = v.sum(dim=1, keepdim=True).float()
+    centred = _standardise(r, v, 0.0, scale=False)
+    return centred * n / (n - 1).clamp(min=1)
 
 
-@register_advantage("reinforce_pp")
-def reinforce_pp_advantages(
-    rewards: torch.Tensor, group_size: int, *, eps: float = 1e-6, valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025, arXiv 2501.03262): A_i = (r_i - mean(batch)) / (std(batch) + eps).
+def _token_whiten(x: torch.Tensor, valid: torch.Tensor, token_counts: torch.Tensor | None) -> torch.Tensor:
+    """veRL's `masked_whiten` of per-response values spread over their tokens.
 
-    Global batch normalisation over every valid response, no per-prompt baseline. The paper
-    whitens per-token returns; with an outcome reward and gamma = 1 every token of a response
-    carries r_i, and this is the response-level form (each response counts once, not once per
-    token).
+    Every response token carries its response's x, so with L_i tokens in response i and
+    T = sum_i L_i over the valid rows,
+
+        mu = sum_i L_i x_i / (T + 1e-8),   var = sum_i L_i (x_i - mu)^2 / (T + 1e-8) * T / (T - 1),
+        A_i = (x_i - mu) / sqrt(var + 1e-8)
+
+    Without `token_counts` every response counts as one token.
 
     Args:
-        rewards: [N]; group_size: G (only checked: N must be a multiple); eps: added to the std;
-        valid: [N] bool.
+        x: [N] per-response values (0 on invalid rows); valid: [N] bool;
+        token_counts: [N] response tokens per row, or None.
 
     Returns:
-        [N]; all 0 if fewer than two rows are valid or all valid rewards are equal.
+        [N] float32; all 0 when the valid rows hold fewer than two tokens (veRL raises) or x has
+        no spread over them; 0 on rows with no token.
     """
-    r, v = _prepare(rewards, group_size, valid)
-    return _standardise(r.view(1, -1), v.view(1, -1), eps).view(-1)
+    if token_counts is None:
+        w = torch.ones_like(x)
+    else:
+        if token_counts.shape != x.shape:
+            raise ValueError(
+                f"token_counts must be [N] = [{x.numel()}], got shape {list(token_counts.shape)}"
+            )
+        w = token_counts.to(device=x.device, dtype=torch.float32)
+    w = torch.where(valid, w, torch.zeros_like(w))
+    total = w.sum()
+    used = w > 0
+    if total <= 1 or not used.any():
+        return torch.zeros_like(x)
+    mean = (w * x).sum() / (total + 1e-8)
+    var = (w * (x - mean).square()).sum() / (total + 1e-8) * (total / (total - 1))
+    adv = (x - mean) * torch.rsqrt(var + 1e-8)
+    spread = x[used].amax() > x[used].amin()
+    return torch.where(used & spread, adv, torch.zeros_like(adv))
 
 
-@register_advantage("reinforce_pp_baseline")
+@group_estimator("reinforce_pp")
+def reinforce_pp_advantages(
+    r: torch.Tensor, v: torch.Tensor, eps: float, token_counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262), veRL's `compute_reinforce_plus_plus_outcome_advantage`:
+    global whitening of the returns over every response token of the batch, no per-prompt
+    baseline.
+
+    With an outcome reward and gamma = 1 (veRL's default) every token of response i carries the
+    return r_i, and veRL whitens those returns **per token** (`masked_whiten`): with L_i tokens
+    in response i and T = sum_i L_i,
+
+        mu = sum_i L_i r_i / T,   var = sum_i L_i (r_i - mu)^2 / (T - 1),
+        A_i = (r_i - mu) / sqrt(var + 1e-8)
+
+    so long responses weigh more in mu and var (veRL's masked mean divides by T + 1e-8,
+    reproduced too). Without `token_counts` every response counts as one token: the
+    per-response whitening (r_i - mean) / std over the batch.
+
+    Args:
+        rewards: [N]; group_size: G (only checked: N must be a multiple); valid: [N] bool
+            (invalid rows are left out of every statistic and get 0).
+        eps: accepted for the common signature and unused: veRL's whitening adds 1e-8 to the
+            variance, not eps to the std.
+        token_counts: [N] response tokens per row (the response mask's row sums).
+
+    Returns:
+        [N] float32; all 0 if fewer than two tokens are valid or all valid rewards are equal.
+    """
+    del eps  # see the docstring: the variance gets 1e-8, as in veRL
+    return _token_whiten(r.view(-1), v.view(-1), token_counts)
+
+
+@group_estimator("reinforce_pp_baseline")
 def reinforce_pp_baseline_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-    token_counts: torch.Tensor | None = None,
+    r: torch.Tensor, v: torch.Tensor, eps: float, token_counts: torch.Tensor | None = None
 ) -> torch.Tensor:
     """REINFORCE++-baseline (Hu 2025), veRL's `compute_reinforce_plus_plus_baseline_outcome_advantage`.
 
@@ -245,31 +326,12 @@ def reinforce_pp_baseline_advantages(
         centred rewards have no spread; 0 on rows with no token.
     """
     del eps  # see the docstring: the variance gets 1e-8, as in veRL
-    r, v = _prepare(rewards, group_size, valid)
-    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
-    n = vg.sum(dim=1, keepdim=True)
+    n = v.sum(dim=1, keepdim=True)
     group_mean = torch.where(
-        n > 1, (rg * vg).sum(dim=1, keepdim=True) / n.clamp(min=1), torch.zeros_like(rg[:, :1])
+        n > 1, (r * v).sum(dim=1, keepdim=True) / n.clamp(min=1), torch.zeros_like(r[:, :1])
     )
-    x = torch.where(vg, rg - group_mean, torch.zeros_like(rg)).view(-1)
-    if token_counts is None:
-        w = torch.ones_like(x)
-    else:
-        if token_counts.shape != x.shape:
-            raise ValueError(
-                f"token_counts must be [N] = [{x.numel()}], got shape {list(token_counts.shape)}"
-            )
-        w = token_counts.to(device=x.device, dtype=torch.float32)
-    w = torch.where(v, w, torch.zeros_like(w))
-    total = w.sum()
-    used = w > 0
-    if total <= 1 or not used.any():
-        return torch.zeros_like(x)
-    mean = (w * x).sum() / (total + 1e-8)
-    var = (w * (x - mean).square()).sum() / (total + 1e-8) * (total / (total - 1))
-    adv = (x - mean) * torch.rsqrt(var + 1e-8)
-    spread = x[used].amax() > x[used].amin()
-    return torch.where(used & spread, adv, torch.zeros_like(adv))
+    x = torch.where(v, r - group_mean, torch.zeros_like(r)).view(-1)
+    return _token_whiten(x, v.view(-1), token_counts)
 
 
 GDPO_BATCH_NORMS = ("mean_std", "std", "none")
@@ -349,14 +411,9 @@ def _group_baseline_check(name: str, extra: torch.Tensor | None, n: int, what: s
     return extra
 
 
-@register_advantage("remax", group_local=True)
+@group_estimator("remax", group_local=True)
 def remax_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-    baselines: torch.Tensor | None = None,
+    r: torch.Tensor, v: torch.Tensor, eps: float, baselines: torch.Tensor | None = None
 ) -> torch.Tensor:
     """ReMax (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
     Method for Aligning Large Language Models", arXiv 2310.10505): A_i = r_i - b_i, where b_i is
@@ -376,20 +433,14 @@ def remax_advantages(
         [N]; 0 for invalid rows and rows without a baseline.
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
-    b = _group_baseline_check("remax", baselines, r.shape[0], "baselines").to(r.device).float()
+    b = _group_baseline_check("remax", baselines, r.numel(), "baselines").to(r.device).float().view_as(r)
     has = v & torch.isfinite(b)
     return torch.where(has, r - torch.where(has, b, torch.zeros_like(b)), torch.zeros_like(r))
 
 
-@register_advantage("opo", group_local=True)
+@group_estimator("opo", group_local=True)
 def opo_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-    token_counts: torch.Tensor | None = None,
+    r: torch.Tensor, v: torch.Tensor, eps: float, token_counts: torch.Tensor | None = None
 ) -> torch.Tensor:
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585): the
     length-weighted group baseline that minimises the gradient variance under exact on-policy
@@ -410,34 +461,19 @@ def opo_advantages(
         groups whose valid rewards are all equal or whose tokens sum to 0.
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
     if token_counts is None:
         w = torch.ones_like(r)
     else:
-        w = _group_baseline_check("opo", token_counts, r.shape[0], "token_counts").to(r.device).float()
-    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
-    wg = torch.where(vg, w.view(-1, group_size), torch.zeros_like(rg))
-    total = wg.sum(dim=1, keepdim=True)
-    baseline = (wg * rg).sum(dim=1, keepdim=True) / total.clamp(min=1e-12)
-    ok = vg & _spread(rg, vg) & (total > 0)
-    return torch.where(ok, rg - baseline, torch.zeros_like(rg)).view(-1)
+        w = _group_baseline_check("opo", token_counts, r.numel(), "token_counts").to(r.device).float()
+    w = torch.where(v, w.view_as(r), torch.zeros_like(r))
+    total = w.sum(dim=1, keepdim=True)
+    baseline = (w * r).sum(dim=1, keepdim=True) / total.clamp(min=1e-12)
+    ok = v & _spread(r, v) & (total > 0)
+    return torch.where(ok, r - baseline, torch.zeros_like(r))
 
 
-def _spread(grouped: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, 1] True where a group has at least two valid rows and they are not all equal."""
-    hi = torch.where(mask, grouped, torch.full_like(grouped, -torch.inf)).amax(dim=-1, keepdim=True)
-    lo = torch.where(mask, grouped, torch.full_like(grouped, torch.inf)).amin(dim=-1, keepdim=True)
-    return (mask.sum(dim=-1, keepdim=True) >= 2) & (hi > lo)
-
-
-@register_advantage("gpg")
-def gpg_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-) -> torch.Tensor:
+@group_estimator("gpg")
+def gpg_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
     """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
     Reasoning", arXiv 2504.02546): group-mean advantages (F_norm = 1, no std division) scaled by
     the paper's accurate-gradient-estimation factor,
@@ -460,15 +496,13 @@ def gpg_advantages(
         [B x G]; all 0 when no group has a spread. Not group-local (alpha reads the batch).
     """
     del eps
-    r, v = _prepare(rewards, group_size, valid)
-    rg, vg = r.view(-1, group_size), v.view(-1, group_size)
-    spread = _spread(rg, vg)  # [B, 1]
-    n_valid = vg.sum()
-    n_signal = (vg & spread).sum()
+    spread = _spread(r, v)  # [B, 1]
+    n_valid = v.sum()
+    n_signal = (v & spread).sum()
     if n_signal == 0:
         return torch.zeros_like(r)
     alpha = n_valid.float() / n_signal.float()
-    return (alpha * _standardise(rg, vg, 0.0, scale=False)).view(-1)
+    return alpha * _standardise(r, v, 0.0, scale=False)
 
 
 def _comb_ratio(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
@@ -479,15 +513,8 @@ def _comb_ratio(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-@register_advantage("pass_at_k", group_local=True)
-def pass_at_k_advantages(
-    rewards: torch.Tensor,
-    group_size: int,
-    *,
-    eps: float = 1e-6,
-    valid: torch.Tensor | None = None,
-    k: int = 4,
-) -> torch.Tensor:
+@group_estimator("pass_at_k", group_local=True)
+def pass_at_k_advantages(r: torch.Tensor, v: torch.Tensor, eps: float, k: int = 4) -> torch.Tensor:
     """Pass@k advantages in closed form (Chen et al. 2025, "Pass@k Training for Adaptively
     Balancing Exploration and Exploitation of Large Reasoning Models", arXiv 2508.10751, the
     "analytical derivation"): the exact expectation over every k-subset of the group of the
@@ -513,25 +540,55 @@ def pass_at_k_advantages(
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"pass_at_k: k must be a positive integer, got {k!r}")
-    r, v = _prepare(rewards, group_size, valid)
-    bad = (v & (r != 0) & (r != 1)).nonzero().flatten()
+    bad = (v & (r != 0) & (r != 1)).view(-1).nonzero().flatten()
     if bad.numel():
         raise ValueError(
             f"pass_at_k needs binary rewards (0 or 1): rows {bad[:10].tolist()} have "
-            f"{r[bad[:10]].tolist()} (use an accuracy-only reward, format_ratio 0, no shaping)"
+            f"{r.view(-1)[bad[:10]].tolist()} (use an accuracy-only reward, format_ratio 0, no shaping)"
         )
-    rg, vg = r.view(-1, group_size).double(), v.view(-1, group_size)
-    n = vg.sum(dim=1, keepdim=True).double()
-    n_pos = torch.where(vg, rg, torch.zeros_like(rg)).sum(dim=1, keepdim=True)
+    r = r.double()
+    n = v.sum(dim=1, keepdim=True).double()
+    n_pos = torch.where(v, r, torch.zeros_like(r)).sum(dim=1, keepdim=True)
     n_neg = n - n_pos
     mean = 1.0 - _comb_ratio(n_neg, n, k)
     std = (mean * (1.0 - mean)).clamp(min=0).sqrt()
     miss = _comb_ratio(n_neg - 1, n - 1, k - 1)
     a_pos = (1.0 - mean) / (std + eps)
     a_neg = (1.0 - mean - miss) / (std + eps)
-    ok = vg & (n >= k) & (n_pos > 0) & (n_neg > 0) & (std > 0)  # std 0: every k-subset passes
-    adv = torch.where(rg > 0.5, a_pos, a_neg)
-    return torch.where(ok, adv, torch.zeros_like(adv)).float().view(-1)
+    ok = v & (n >= k) & (n_pos > 0) & (n_neg > 0) & (std > 0)  # std 0: every k-subset passes
+    adv = torch.where(r > 0.5, a_pos, a_neg)
+    return torch.where(ok, adv, torch.zeros_like(adv)).float()
+
+
+@group_estimator("grpo_passk", group_local=True)
+def grpo_passk_advantages(r: torch.Tensor, v: torch.Tensor, eps: float) -> torch.Tensor:
+    """veRL's `grpo_passk` (`compute_grpo_passk_outcome_advantage`, after Chen et al. 2025,
+    arXiv 2503.19595): only the best response of each group is rewarded, by its margin over the
+    runner-up, scaled by the group's std,
+
+        A_best = (r_max - r_second) / (std(group) + eps),   A_i = 0 for every other response
+
+    with `best` the first row holding the group's largest reward and std the unbiased sample
+    std. Unlike `pass_at_k` (the analytic expectation over k-subsets), no k enters and rewards
+    need not be binary.
+
+    Args:
+        rewards: [B x G]; group_size: G >= 2 (veRL refuses smaller groups); eps: added to the
+            std; valid: [B x G] bool (invalid rows are neither best nor runner-up and get 0).
+
+    Returns:
+        [B x G]; a group with fewer than two valid rows gets 0 (veRL raises), and so does a
+        group whose two largest rewards are equal.
+    """
+    if r.shape[1] < 2:
+        raise ValueError(f"grpo_passk needs at least 2 responses per prompt, got group_size {r.shape[1]}")
+    masked = torch.where(v, r, torch.full_like(r, -torch.inf))
+    best = masked.argmax(dim=1, keepdim=True)  # the first maximal row, as veRL's topk on CPU
+    r_max = masked.gather(1, best)
+    r_second = masked.scatter(1, best, -torch.inf).amax(dim=1, keepdim=True)
+    n, _, std = _masked_mean_std(r, v)
+    margin = torch.where(n >= 2, (r_max - r_second) / (std + eps), torch.zeros_like(r_max))
+    return torch.zeros_like(r).scatter(1, best, margin)
 
 
 def clip_advantages(advantages: torch.Tensor, max_abs: float | None) -> torch.Tensor:

@@ -23,13 +23,18 @@ and returns metrics over the masked tokens: `clip_frac_low`, `clip_frac_high`,
 | `cispo` | -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi |
 | `clip_cov` | PPO, with a random few high-covariance tokens (cov(log pi, A) in (lb, ub)) given no gradient |
 | `kl_cov` | -A r, plus kl_coef abs(log r) on the top-k covariance tokens |
-| `cispo_seq` | -sg(clip(s_i, 1 - eps_low, 1 + eps_high)) A log pi, s_i the geometric-mean sequence ratio |
+| `cispo_seq` | -sg(min(s_i, 1 + eps_high)) A log pi, s_i the geometric-mean sequence ratio (TRL) |
 | `gmpo` | -A exp(mean_t clip_A(log r_t)): the geometric mean of token ratios, clipped per token in log space |
 | `sapo` | -A f(r), f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos (A > 0) or tau_neg |
 | `gpg` | -A log pi (plain policy gradient, no ratio) |
 
 `clip_cov` takes `cov_ratio`, `cov_lb`, `cov_ub`; `kl_cov` takes `cov_ratio`, `kl_coef`; `sapo`
-takes `tau_pos`, `tau_neg` (`loss_options` gives them from `algo`).
+takes `tau_pos`, `tau_neg`; `cispo_seq` takes `floor` (`loss_options` gives them from `algo`).
+
+Each built-in is written as its per-token loss l [N, R] over a `TokenBatch` (the checked
+inputs) and registered with `token_loss`, which gives it the signature above: the input
+checks, the per-token weights and the aggregation are one piece of code for every loss.
+`register_policy_loss` registers a function that already has the whole signature.
 
 Aggregations (`AGGREGATIONS`, see `aggregate`): `token_mean`, `seq_mean_token_mean`,
 `seq_mean_token_sum_norm`. When a mini-batch is split into micro-batches, pass every
@@ -39,22 +44,31 @@ mini-batch loss.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 # Log-ratios are clamped to +-this before exp so a wildly off token cannot overflow to inf
-# (beyond it the ratio is constant and has no gradient).
+# (beyond it the ratio is constant and has no gradient). veRL clamps PPO's, SAPO's and CISPO's
+# log-ratio at +-20 as well; its Clip-Cov and KL-Cov do not clamp at all (see those losses).
 LOG_RATIO_CLAMP = 20.0
+# GSPO's sequence log-ratio is clamped above only, at 10, as veRL's `compute_policy_loss_gspo`.
+GSPO_LOG_RATIO_MAX = 10.0
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+DUAL_CLIP_REFUSALS: dict[str, str] = {}
+"""Losses registered with `token_loss(..., no_dual_clip=why)`: why each refuses `clip_dual`."""
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register `fn`, which takes the whole common signature (see the module docs), as `name`."""
+
     def wrap(fn: PolicyLossFn) -> PolicyLossFn:
         POLICY_LOSSES[name] = fn
         return fn
@@ -66,6 +80,11 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}: choose from {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]
+
+
+def _masked(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x where the bool mask m is set, 0 elsewhere (NaN or inf there included)."""
+    return torch.where(m, x, torch.zeros_like(x))
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, denom: float | None = None) -> torch.Tensor:
@@ -130,7 +149,7 @@ def aggregate(
     """
     _check_agg(agg, max_len)
     m = mask > 0
-    x = torch.where(m, per_token, torch.zeros_like(per_token))
+    x = _masked(per_token, m)
     if agg == "seq_mean_token_mean":
         total = (x.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)).sum()
     else:
@@ -141,7 +160,31 @@ def aggregate(
 
 
 # ---------------------------------------------------------------------------------------------
-# Losses
+# The common part of every loss: checked inputs in, aggregated weighted loss out
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """The checked inputs of one policy-loss call, as every per-token loss starts from them."""
+
+    logprobs: torch.Tensor
+    """[N, R] current policy log-probs (with grad)."""
+    old_logprobs: torch.Tensor
+    """[N, R] log-probs of the policy that sampled the batch."""
+    adv: torch.Tensor
+    """[N, R] each response's advantage on every one of its tokens (detached, logprobs' dtype)."""
+    m: torch.Tensor
+    """[N, R] bool: the tokens in the loss."""
+    clip_low: float
+    """Lower clip range (the ratio's bound is 1 - clip_low)."""
+    clip_high: float
+    """Upper clip range (the ratio's bound is 1 + clip_high)."""
+    clip_dual: float | None
+    """Dual-clip constant (> 1), or None; always None for a loss that refuses it."""
+
+
+TokenLoss = tuple[torch.Tensor, dict[str, float]]
+"""What a per-token loss returns: l [N, R] (before weights and aggregation) and its metrics."""
 
 
 def _check_inputs(
@@ -168,6 +211,84 @@ def _check_inputs(
         raise ValueError(f"{name}: clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
     if clip_dual is not None and not clip_dual > 1:
         raise ValueError(f"{name}: clip_dual must be > 1 (typically 3) or None, got {clip_dual}")
+
+
+def token_loss(
+    name: str, no_dual_clip: str | None = None
+) -> Callable[[Callable[..., TokenLoss]], PolicyLossFn]:
+    """Decorator: register the per-token loss `fn(b: TokenBatch, **options) -> (l, metrics)` as
+    the policy loss `name`, with the common signature of the module docs.
+
+    The registered loss checks its inputs (naming `name`), builds the `TokenBatch`, and returns
+    `(aggregate(w l, mask, agg, denom, max_len), metrics)`, w the per-token `weights` (detached;
+    None = 1). Keyword arguments beyond the common ones go to `fn` as its options.
+
+    no_dual_clip: why the loss refuses `clip_dual` (the error says so), or None if it takes it.
+    """
+
+    def wrap(fn: Callable[..., TokenLoss]) -> PolicyLossFn:
+        def loss(
+            logprobs: torch.Tensor,
+            old_logprobs: torch.Tensor,
+            advantages: torch.Tensor,
+            mask: torch.Tensor,
+            *,
+            clip_low: float,
+            clip_high: float,
+            clip_dual: float | None = None,
+            agg: str = "token_mean",
+            denom: float | None = None,
+            weights: torch.Tensor | None = None,
+            max_len: int | None = None,
+            **options: float,
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            dual = None if no_dual_clip else clip_dual
+            _check_inputs(name, logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual)
+            if no_dual_clip and clip_dual is not None:
+                raise ValueError(f"{name}: dual-clip does not apply ({no_dual_clip})")
+            adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+            b = TokenBatch(logprobs, old_logprobs, adv, mask > 0, clip_low, clip_high, dual)
+            per_token, metrics = fn(b, **options)
+            if weights is not None:
+                per_token = per_token * weights.detach()
+            return aggregate(per_token, mask, agg, denom, max_len), metrics
+
+        # What help() and inspect show: the common signature plus the loss's own options.
+        common = list(inspect.signature(loss).parameters.values())[:-1]
+        own = list(inspect.signature(fn).parameters.values())[1:]
+        loss.__signature__ = inspect.Signature(
+            [*common, *(p.replace(kind=p.KEYWORD_ONLY) for p in own)],
+            return_annotation=inspect.signature(loss).return_annotation,
+        )
+        loss.__name__, loss.__qualname__, loss.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+        if no_dual_clip:
+            DUAL_CLIP_REFUSALS[name] = no_dual_clip
+        return register_policy_loss(name)(loss)
+
+    return wrap
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces several losses share
+
+
+def _log_ratio(b: TokenBatch) -> torch.Tensor:
+    """logprobs - old_logprobs on masked tokens, 0 (ratio 1, no gradient) elsewhere."""
+    return _masked(b.logprobs - b.old_logprobs.detach(), b.m)
+
+
+def _clamped_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp of a log-ratio clamped to +-`LOG_RATIO_CLAMP` (no overflow; constant beyond)."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _row_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """[N, 1] mean of x [N, R] (0 off the mask) over each row's masked tokens (0 for none)."""
+    return x.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
+
+
+def _masked_scalar_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return _masked(x, m).sum() / m.sum().clamp(min=1)
 
 
 def _clipped_surrogate(
@@ -214,31 +335,17 @@ def _ratio_metrics(
         }
 
 
-def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """logprobs - old_logprobs on masked tokens, 0 (ratio 1, no gradient) elsewhere."""
-    diff = logprobs - old_logprobs.detach()
-    return torch.where(m, diff, torch.zeros_like(diff))
+def _ppo_metrics(ratio: torch.Tensor, b: TokenBatch) -> dict[str, float]:
+    """`_ratio_metrics` with the call's own clip ranges: what PPO clips (or would have)."""
+    return _ratio_metrics(ratio, b.adv, b.m, b.clip_low, b.clip_high, b.clip_dual)
 
 
-def _weighted(per_token: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    return per_token if weights is None else per_token * weights.detach()
+# ---------------------------------------------------------------------------------------------
+# Losses
 
 
-@register_policy_loss("ppo")
-def ppo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    clip_dual: float | None = None,
-    agg: str = "token_mean",
-    denom: float | None = None,
-    weights: torch.Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@token_loss("ppo")
+def ppo_loss(b: TokenBatch) -> TokenLoss:
     """PPO-clip (Schulman et al. 2017) with clip-higher (DAPO, Yu et al. 2025) and dual-clip
     (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL").
 
@@ -254,30 +361,12 @@ def ppo_loss(
     Metrics: `clip_frac_low` (r < 1 - clip_low with A < 0), `clip_frac_high` (r > 1 + clip_high
     with A > 0), `clip_frac_dual` (r > clip_dual with A < 0), token `ratio_mean/min/max`.
     """
-    _check_inputs("ppo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, clip_dual)
-    m = mask > 0
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
-    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    per_token = _weighted(_clipped_surrogate(ratio, adv, clip_low, clip_high, clip_dual), weights)
-    loss = aggregate(per_token, mask, agg, denom, max_len)
-    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, clip_dual)
+    ratio = _clamped_exp(_log_ratio(b))
+    return _clipped_surrogate(ratio, b.adv, b.clip_low, b.clip_high, b.clip_dual), _ppo_metrics(ratio, b)
 
 
-@register_policy_loss("gspo")
-def gspo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    clip_dual: float | None = None,
-    agg: str = "token_mean",
-    denom: float | None = None,
-    weights: torch.Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@token_loss("gspo")
+def gspo_loss(b: TokenBatch) -> TokenLoss:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO-clip on the sequence ratio.
 
         log s_i  = (1 / |y_i|) sum_t m_t (logprobs - old_logprobs)       # length-normalised
@@ -288,38 +377,20 @@ def gspo_loss(
     Every token of response i carries the same ratio s_i (so the whole response is clipped or
     not), and its gradient is A_i s_i grad log pi(y_t). The paper's objective is the
     `seq_mean_token_mean` aggregation; its clip ranges are tiny (clip_low 3e-4, clip_high 4e-4)
-    because s_i is a per-token geometric mean. log s_i,t is clamped to +-20.
+    because s_i is a per-token geometric mean. log s_i,t is clamped above at 10 and not below,
+    as in veRL (a response whose mean log-ratio exceeds 10 gets no gradient; below, s_i only
+    goes to 0).
 
     Metrics are the PPO ones with each token's ratio being its sequence's s_i (token-weighted).
     """
-    _check_inputs("gspo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, clip_dual)
-    m = mask > 0
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
-    log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
-    seq_log_ratio = log_ratio.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
-    lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
-    log_s = (lp - lp.detach() + seq_log_ratio.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_s)
-    per_token = _weighted(_clipped_surrogate(ratio, adv, clip_low, clip_high, clip_dual), weights)
-    loss = aggregate(per_token, mask, agg, denom, max_len)
-    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, clip_dual)
+    seq_log_ratio = _row_mean(_log_ratio(b), b.m)
+    lp = _masked(b.logprobs, b.m)
+    ratio = torch.exp((lp - lp.detach() + seq_log_ratio.detach()).clamp(max=GSPO_LOG_RATIO_MAX))
+    return _clipped_surrogate(ratio, b.adv, b.clip_low, b.clip_high, b.clip_dual), _ppo_metrics(ratio, b)
 
 
-@register_policy_loss("cispo")
-def cispo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    clip_dual: float | None = None,
-    agg: str = "token_mean",
-    denom: float | None = None,
-    weights: torch.Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@token_loss("cispo", no_dual_clip="the importance weight is already clipped")
+def cispo_loss(b: TokenBatch) -> TokenLoss:
     """CISPO (MiniMax-M1, 2025): clip the importance weight, not the update.
 
         r_t  = exp(logprobs - old_logprobs)
@@ -335,43 +406,16 @@ def cispo_loss(
     Metrics: `clip_frac_low` / `clip_frac_high` count tokens whose weight was clipped, whatever
     the sign of A; `clip_frac_dual` is 0; token `ratio_mean/min/max`.
     """
-    _check_inputs("cispo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
-    if clip_dual is not None:
-        raise ValueError("cispo: dual-clip does not apply (the importance weight is already clipped)")
-    m = mask > 0
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
-    ratio = torch.exp(
-        _masked_log_ratio(logprobs, old_logprobs, m).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    )
-    is_weight = ratio.clamp(max(1.0 - clip_low, 0.0), 1.0 + clip_high)
-    lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
-    per_token = _weighted(-is_weight * adv * lp, weights)
-    loss = aggregate(per_token, mask, agg, denom, max_len)
-    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None, signed=False)
+    ratio = _clamped_exp(_log_ratio(b).detach())
+    is_weight = ratio.clamp(max(1.0 - b.clip_low, 0.0), 1.0 + b.clip_high)
+    per_token = -is_weight * b.adv * _masked(b.logprobs, b.m)
+    return per_token, _ratio_metrics(ratio, b.adv, b.m, b.clip_low, b.clip_high, None, signed=False)
 
 
-def _masked_scalar_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp(min=1)
-
-
-@register_policy_loss("clip_cov")
+@token_loss("clip_cov", no_dual_clip="veRL's Clip-Cov has none")
 def clip_cov_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    clip_dual: float | None = None,
-    agg: str = "token_mean",
-    denom: float | None = None,
-    weights: torch.Tensor | None = None,
-    max_len: int | None = None,
-    cov_ratio: float = 2e-4,
-    cov_lb: float = 1.0,
-    cov_ub: float = 5.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    b: TokenBatch, cov_ratio: float = 2e-4, cov_lb: float = 1.0, cov_ub: float = 5.0
+) -> TokenLoss:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
     Language Models"), as veRL's `compute_policy_loss_clip_cov` defines it:
 
@@ -386,20 +430,21 @@ def clip_cov_loss(
     that drives entropy down), get no gradient. The random draw uses torch's global generator.
     Statistics are over this call's tokens (veRL: the micro-batch).
 
+    Deviation from veRL: log r_t is clamped to +-20 before exp (`LOG_RATIO_CLAMP`, as in
+    `ppo`); veRL's Clip-Cov does not clamp. The two agree wherever |log r_t| <= 20; beyond, a
+    token's ratio here is the constant e^+-20 and it gets no gradient (veRL's would be -A r_t,
+    and overflows to inf / NaN past log r_t ~ 88 in float32).
+
     Metrics: the PPO ones, plus `cov_frac` (tokens in S / masked tokens); `clip_frac_dual` 0.
     """
-    _check_inputs("clip_cov", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
-    if clip_dual is not None:
-        raise ValueError("clip_cov: dual-clip does not apply (veRL's Clip-Cov has none)")
     if not cov_ratio > 0:
         raise ValueError(f"clip_cov: cov_ratio must be > 0, got {cov_ratio}")
-    m = mask > 0
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
-    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    m, adv = b.m, b.adv
+    ratio = _clamped_exp(_log_ratio(b))
     loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss2 = -adv * ratio.clamp(1.0 - b.clip_low, 1.0 + b.clip_high)
     with torch.no_grad():
-        lp = torch.where(m, logprobs.detach(), torch.zeros_like(logprobs))
+        lp = _masked(b.logprobs.detach(), m)
         cov = (adv - _masked_scalar_mean(adv, m)) * (lp - _masked_scalar_mean(lp, m))
         clipped_by_ppo = (loss2 > loss1) & m
         candidates = m & ~clipped_by_ppo & (cov > cov_lb) & (cov < cov_ub)
@@ -409,30 +454,13 @@ def clip_cov_loss(
             idx = idx[torch.randperm(len(idx))[:k].to(idx.device)]
         keep = torch.ones_like(ratio)
         keep[idx[:, 0], idx[:, 1]] = 0.0
-    per_token = _weighted(torch.maximum(loss1, loss2) * keep, weights)
-    loss = aggregate(per_token, mask, agg, denom, max_len)
-    metrics = _ratio_metrics(ratio, adv, m, clip_low, clip_high, None)
+    metrics = _ppo_metrics(ratio, b)
     metrics["cov_frac"] = float(len(idx)) / max(int(m.sum()), 1)
-    return loss, metrics
+    return torch.maximum(loss1, loss2) * keep, metrics
 
 
-@register_policy_loss("kl_cov")
-def kl_cov_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    clip_dual: float | None = None,
-    agg: str = "token_mean",
-    denom: float | None = None,
-    weights: torch.Tensor | None = None,
-    max_len: int | None = None,
-    cov_ratio: float = 2e-4,
-    kl_coef: float = 1.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@token_loss("kl_cov", no_dual_clip="veRL's KL-Cov does not clip")
+def kl_cov_loss(b: TokenBatch, cov_ratio: float = 2e-4, kl_coef: float = 1.0) -> TokenLoss:
     """KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning
     Language Models"), as veRL's `compute_policy_loss_kl_cov` defines it:
 
@@ -446,99 +474,74 @@ def kl_cov_loss(
     clipped. clip_low / clip_high do not enter the loss; the clip fractions report what PPO would
     have clipped. Ties in cov keep the earlier token.
 
+    Deviation from veRL: log r_t is clamped to +-20 before exp (`LOG_RATIO_CLAMP`); veRL's
+    KL-Cov does not clamp. They agree wherever |log r_t| <= 20; beyond, the ratio term of a
+    token here is constant and sends no gradient (veRL's sends -A r_t), while the |log r_t|
+    penalty of a selected token is never clamped.
+
     Metrics: the PPO ones, `cov_frac` (tokens in S / masked tokens), `ppo_kl_abs` (mean
     |log r| over the masked tokens).
     """
-    _check_inputs("kl_cov", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
-    if clip_dual is not None:
-        raise ValueError("kl_cov: dual-clip does not apply (veRL's KL-Cov does not clip)")
     if not cov_ratio > 0:
         raise ValueError(f"kl_cov: cov_ratio must be > 0, got {cov_ratio}")
-    m = mask > 0
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
-    log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    m, adv = b.m, b.adv
+    log_ratio = _log_ratio(b)
+    ratio = _clamped_exp(log_ratio)
     per_token = -adv * ratio
     n = int(m.sum())
     selected = torch.zeros_like(m)
     if n:
         with torch.no_grad():
-            lp = torch.where(m, logprobs.detach(), torch.zeros_like(logprobs))
+            lp = _masked(b.logprobs.detach(), m)
             cov = (adv - _masked_scalar_mean(adv, m)) * (lp - _masked_scalar_mean(lp, m))
             flat = torch.where(m, cov, torch.full_like(cov, -torch.inf)).flatten()
             k = max(1, int(n * cov_ratio))
             top = torch.sort(flat, descending=True, stable=True).indices[:k]
             selected.view(-1)[top] = True
         per_token = torch.where(selected, per_token + kl_coef * log_ratio.abs(), per_token)
-    loss = aggregate(_weighted(per_token, weights), mask, agg, denom, max_len)
-    metrics = _ratio_metrics(ratio, adv, m, clip_low, clip_high, None)
+    metrics = _ppo_metrics(ratio, b)
     metrics["cov_frac"] = float(selected.sum()) / max(n, 1)
     metrics["ppo_kl_abs"] = float(_masked_scalar_mean(log_ratio.detach().abs(), m))
-    return loss, metrics
+    return per_token, metrics
 
 
-@register_policy_loss("cispo_seq")
-def cispo_seq_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    clip_dual: float | None = None,
-    agg: str = "token_mean",
-    denom: float | None = None,
-    weights: torch.Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@token_loss("cispo_seq", no_dual_clip="the importance weight is already clipped")
+def cispo_seq_loss(b: TokenBatch, floor: bool = False) -> TokenLoss:
     """Sequence-level CISPO: CISPO's clipped, stop-gradient importance weight (MiniMax-M1, 2025)
     taken at the sequence level, with GSPO's length-normalised sequence ratio (Zheng et al.
     2025), as TRL computes `loss_type="cispo"` with `importance_sampling_level="sequence"`:
 
         log s_i = (1 / |y_i|) sum_t m_t (logprobs - old_logprobs)
-        l_i,t   = -sg(clip(s_i, 1 - clip_low, 1 + clip_high)) * A_i * logprobs_t
+        l_i,t   = -sg(min(s_i, 1 + clip_high)) * A_i * logprobs_t
         loss    = aggregate(w_t l_i,t, mask, agg, denom, max_len)
 
     Every token of a response shares one weight (no token of it is dropped, as in CISPO), so a
     single off-policy token cannot blow up its own gradient; the weight moves with the whole
-    response's drift. TRL bounds the weight above by epsilon_high itself (ScaleRL's eps_max,
-    e.g. 5); here, as in `cispo`, the bound is 1 + clip_high. log s_i is clamped to +-20.
+    response's drift. As in TRL the weight has no lower bound: a response the policy has left
+    (s_i near 0) sends almost no gradient. TRL bounds the weight above by epsilon_high itself
+    (ScaleRL's eps_max, e.g. 5); its epsilon_high is this 1 + clip_high.
+
+    `floor=True` (`algo.cispo_seq_floor`) also bounds the weight below at 1 - clip_low, as
+    token-level `cispo` (and veRL's CISPO) does; that was mmrl's earlier choice and differs from
+    TRL: with log-ratios [-20, 0, 0, 0] (s = e^-5) and A = 1, TRL's weight is 0.0067 and the
+    floored one 0.8 (clip_low 0.2), 119 times the gradient. log s_i is clamped to +-20 before exp.
 
     Metrics: `clip_frac_low` / `clip_frac_high` count tokens whose sequence weight was clipped,
-    whatever the sign of A; the ratio stats are of s_i (token-weighted).
+    whatever the sign of A (`clip_frac_low` is 0 without `floor`); the ratio stats are of s_i
+    (token-weighted).
     """
-    _check_inputs("cispo_seq", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
-    if clip_dual is not None:
-        raise ValueError("cispo_seq: dual-clip does not apply (the importance weight is already clipped)")
-    m = mask > 0
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
     with torch.no_grad():
-        log_ratio = _masked_log_ratio(logprobs, old_logprobs, m)
-        seq = log_ratio.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
-        ratio = torch.exp(seq.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).expand_as(logprobs)
-        is_weight = ratio.clamp(max(1.0 - clip_low, 0.0), 1.0 + clip_high)
-    lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
-    per_token = _weighted(-is_weight * adv * lp, weights)
-    loss = aggregate(per_token, mask, agg, denom, max_len)
-    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None, signed=False)
+        seq = _row_mean(_log_ratio(b), b.m)
+        ratio = _clamped_exp(seq).expand_as(b.logprobs)
+        low = max(1.0 - b.clip_low, 0.0) if floor else None
+        is_weight = ratio.clamp(low, 1.0 + b.clip_high)
+    per_token = -is_weight * b.adv * _masked(b.logprobs, b.m)
+    clip_low = b.clip_low if floor else math.inf
+    return per_token, _ratio_metrics(ratio, b.adv, b.m, clip_low, b.clip_high, None, signed=False)
 
 
-@register_policy_loss("gmpo")
-def gmpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    clip_dual: float | None = None,
-    agg: str = "token_mean",
-    denom: float | None = None,
-    weights: torch.Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@token_loss("gmpo", no_dual_clip="the sequence ratio is clipped per token")
+def gmpo_loss(b: TokenBatch) -> TokenLoss:
     """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673): the
     geometric mean of the token ratios instead of their arithmetic mean, clipped per token in
     log space, as veRL's `compute_policy_loss_geo_mean` defines it:
@@ -562,43 +565,21 @@ def gmpo_loss(
     Metrics: `clip_frac_high` (x_t > clip_high with A > 0), `clip_frac_low` (x_t < -clip_low with
     A < 0), ratio stats of rho_i (token-weighted), `clip_frac_dual` 0.
     """
-    _check_inputs("gmpo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
-    if clip_dual is not None:
-        raise ValueError("gmpo: dual-clip does not apply (the sequence ratio is clipped per token)")
-    m = mask > 0
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
-    x = _masked_log_ratio(logprobs, old_logprobs, m)
+    m, adv = b.m, b.adv
+    x = _log_ratio(b)
     sign = torch.sign(adv)
-    clipped = sign * torch.minimum(sign * x, sign * x.clamp(-clip_low, clip_high))
-    mean_log = (clipped * m).sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
-    rho = torch.exp(mean_log.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [N, 1]
-    per_token = _weighted((-adv * rho).expand_as(logprobs), weights)
-    loss = aggregate(per_token, mask, agg, denom, max_len)
+    clipped = sign * torch.minimum(sign * x, sign * x.clamp(-b.clip_low, b.clip_high))
+    rho = _clamped_exp(_row_mean(clipped * m, m))  # [N, 1]
     with torch.no_grad():
         n = max(int(m.sum()), 1)
-        metrics = _ratio_metrics(rho.detach().expand_as(logprobs), adv, m, math.inf, math.inf, None)
-        metrics["clip_frac_high"] = float(((x > clip_high) & (adv > 0) & m).sum()) / n
-        metrics["clip_frac_low"] = float(((x < -clip_low) & (adv < 0) & m).sum()) / n
-    return loss, metrics
+        metrics = _ratio_metrics(rho.detach().expand_as(b.logprobs), adv, m, math.inf, math.inf, None)
+        metrics["clip_frac_high"] = float(((x > b.clip_high) & (adv > 0) & m).sum()) / n
+        metrics["clip_frac_low"] = float(((x < -b.clip_low) & (adv < 0) & m).sum()) / n
+    return (-adv * rho).expand_as(b.logprobs), metrics
 
 
-@register_policy_loss("sapo")
-def sapo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    clip_dual: float | None = None,
-    agg: str = "token_mean",
-    denom: float | None = None,
-    weights: torch.Tensor | None = None,
-    max_len: int | None = None,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@token_loss("sapo", no_dual_clip="the gate is already bounded by 4 / tau")
+def sapo_loss(b: TokenBatch, tau_pos: float = 1.0, tau_neg: float = 1.05) -> TokenLoss:
     """SAPO (Gao et al. 2025, Qwen, "Soft Adaptive Policy Optimization", arXiv 2511.20347): a
     smooth, temperature-controlled gate on the token ratio in place of the hard clip, as veRL's
     `compute_policy_loss_sapo` and TRL's `loss_type="sapo"` define it:
@@ -614,36 +595,16 @@ def sapo_loss(
     1.0: they are the less stable ones). The papers aggregate `seq_mean_token_mean`. clip_low /
     clip_high do not enter the loss; the clip fractions report what PPO would have clipped.
     """
-    _check_inputs("sapo", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
-    if clip_dual is not None:
-        raise ValueError("sapo: dual-clip does not apply (the gate is already bounded by 4 / tau)")
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"sapo: tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
-    m = mask > 0
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
-    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    ratio = _clamped_exp(_log_ratio(b))
+    tau = torch.where(b.adv > 0, torch.full_like(b.adv, tau_pos), torch.full_like(b.adv, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    per_token = _weighted(-adv * gate, weights)
-    loss = aggregate(per_token, mask, agg, denom, max_len)
-    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None)
+    return -b.adv * gate, _ppo_metrics(ratio, b)
 
 
-@register_policy_loss("gpg")
-def gpg_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    clip_dual: float | None = None,
-    agg: str = "token_mean",
-    denom: float | None = None,
-    weights: torch.Tensor | None = None,
-    max_len: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+@token_loss("gpg", no_dual_clip="the loss has no ratio")
+def gpg_loss(b: TokenBatch) -> TokenLoss:
     """GPG's loss (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
     Model Reasoning", arXiv 2504.02546): the plain policy gradient, no surrogate, no ratio, as
     veRL's `compute_policy_loss_gpg`:
@@ -656,22 +617,12 @@ def gpg_loss(
     with the `gpg` advantage estimator. clip_low / clip_high do not enter the loss; the
     metrics report the ratio and what PPO would have clipped.
     """
-    _check_inputs("gpg", logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, None)
-    if clip_dual is not None:
-        raise ValueError("gpg: dual-clip does not apply (the loss has no ratio)")
-    m = mask > 0
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
     with torch.no_grad():
-        ratio = torch.exp(
-            _masked_log_ratio(logprobs, old_logprobs, m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        )
-    lp = torch.where(m, logprobs, torch.zeros_like(logprobs))
-    per_token = _weighted(-adv * lp, weights)
-    loss = aggregate(per_token, mask, agg, denom, max_len)
-    return loss, _ratio_metrics(ratio, adv, m, clip_low, clip_high, None)
+        ratio = _clamped_exp(_log_ratio(b))
+    return -b.adv * _masked(b.logprobs, b.m), _ppo_metrics(ratio, b)
 
 
-NO_DUAL_CLIP = frozenset({"cispo", "cispo_seq", "clip_cov", "kl_cov", "gmpo", "sapo", "gpg"})
+NO_DUAL_CLIP = frozenset(DUAL_CLIP_REFUSALS)
 """Losses that refuse `clip_dual` (it needs PPO's clipped ratio)."""
 
 
@@ -716,4 +667,6 @@ def loss_options(algo) -> dict[str, float]:
         return {"cov_ratio": algo.cov_ratio, "kl_coef": algo.kl_cov_coef}
     if algo.policy_loss == "sapo":
         return {"tau_pos": algo.sapo_tau_pos, "tau_neg": algo.sapo_tau_neg}
+    if algo.policy_loss == "cispo_seq" and algo.cispo_seq_floor:
+        return {"floor": True}
     return {}

@@ -5,7 +5,7 @@ forking-token selection and an adaptive entropy coefficient. Pure functions over
 | piece | what it does | from |
 |---|---|---|
 | `rejection_keep` | drops whole responses whose rollout/trainer ratio is out of a band | veRL rollout correction (`rollout_rs`: `geometric`, `sequence`); Liu, Li et al. 2025, "When Speed Kills Stability" |
-| `batch_normalize_weights` | divides IS weights by their batch mean (mean 1) | veRL `rollout_is_batch_normalize` |
+| `batch_normalize_weights` | divides IS weights by their batch mean (veRL's order, or mean 1 over the kept tokens) | veRL `rollout_is_batch_normalize` |
 | `forking_token_mask` | keeps only the top-entropy ("forking") tokens | Wang et al. 2025, "Beyond the 80/20 Rule" |
 | `AdaptiveEntropyCoef` | steps the entropy coefficient towards a target entropy | He et al. 2025, "Skywork Open Reasoner 1 Technical Report" |
 | `off_policy_sequence_mask` | drops negative-advantage responses that drifted too far from the sampling policy | DeepSeek-AI 2025, "DeepSeek-V3.2" (eq. 9); TRL's `off_policy_mask_threshold` |
@@ -21,16 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mmrl.algos.tis import check_logprob_pair
+
 REJECTION_LEVELS = ("geometric", "sequence", "max_token")
 FORKING_SCOPES = ("response", "batch")
-
-
-def _check_pair(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-    if not (trainer_logprobs.shape == rollout_logprobs.shape == mask.shape) or mask.dim() != 2:
-        raise ValueError(
-            f"trainer_logprobs {list(trainer_logprobs.shape)}, rollout_logprobs "
-            f"{list(rollout_logprobs.shape)} and mask {list(mask.shape)} must all be the same [N, R]"
-        )
 
 
 def rejection_keep(
@@ -65,7 +59,7 @@ def rejection_keep(
         raise ValueError(f"unknown rejection level {level!r}: choose from {list(REJECTION_LEVELS)}")
     if not 0 < low < high:
         raise ValueError(f"rejection bounds must satisfy 0 < low < high, got low={low}, high={high}")
-    _check_pair(trainer_logprobs, rollout_logprobs, mask)
+    check_logprob_pair(trainer_logprobs, rollout_logprobs, mask)
     with torch.no_grad():
         m = mask > 0
         zero = torch.zeros_like(trainer_logprobs, dtype=torch.float32)
@@ -96,31 +90,54 @@ def rejection_keep(
     return ~reject, metrics
 
 
-def batch_normalize_weights(
-    weights: torch.Tensor, mask: torch.Tensor, level: str = "token"
-) -> tuple[torch.Tensor, float]:
-    """IS weights divided by their batch mean, so that they average 1 (veRL's
-    `rollout_is_batch_normalize`).
+BATCH_NORM_SCOPES = ("verl", "kept")
 
-        token:     mean = sum_{i,t} m w / sum_{i,t} m
-        sequence:  mean = mean over rows with tokens of (the row's mean weight)
+
+def batch_normalize_weights(
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+    *,
+    stat_weights: torch.Tensor | None = None,
+    stat_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float]:
+    """IS weights divided by a batch mean (veRL's `rollout_is_batch_normalize`).
+
+        token:     mean = sum_{i,t} m' w' / sum_{i,t} m'
+        sequence:  mean = mean over rows with tokens of (the row's mean w')
+
+    where w', m' are `stat_weights` and `stat_mask` (default: `weights` and `mask` themselves).
+    veRL's order takes the mean of the *truncated* weights over the response mask *before*
+    rollout rejection and token masking, and then masks (a rejected token's weight counts in
+    the mean; its zero does not): pass those as `stat_weights` / `stat_mask`. Taking the
+    defaults instead (the applied weights over the loss mask, IS-masked zeros included) makes
+    the applied weights average exactly 1 (`algo.tis_batch_norm_scope=kept`).
 
     A mean <= 1e-8 (every weight masked to 0, or an empty mask) leaves the weights as they are
-    (factor 1). Returns the normalised weights (detached) and the factor divided by.
+    (factor 1). Returns the normalised weights (detached, 0 outside `mask`) and the factor
+    divided by.
     """
     if level not in ("token", "sequence"):
         raise ValueError(f"unknown IS level {level!r}: choose from ['token', 'sequence']")
     if weights.shape != mask.shape or mask.dim() != 2:
         raise ValueError(f"weights {list(weights.shape)} and mask {list(mask.shape)} must both be [N, R]")
+    stat_weights = weights if stat_weights is None else stat_weights
+    stat_mask = mask if stat_mask is None else stat_mask
+    if stat_weights.shape != mask.shape or stat_mask.shape != mask.shape:
+        raise ValueError(
+            f"stat_weights {list(stat_weights.shape)} and stat_mask {list(stat_mask.shape)} must be "
+            f"[N, R] = {list(mask.shape)}"
+        )
     with torch.no_grad():
-        m = (mask > 0).float()
-        w = weights.detach().float() * m
+        w = weights.detach().float() * (mask > 0).float()
+        m = (stat_mask > 0).float()
+        sw = stat_weights.detach().float() * m
         if level == "token":
-            mean = w.sum() / m.sum().clamp(min=1)
+            mean = sw.sum() / m.sum().clamp(min=1)
         else:
             rows = m.sum(dim=-1)
             has = rows > 0
-            per_row = w.sum(dim=-1) / rows.clamp(min=1)
+            per_row = sw.sum(dim=-1) / rows.clamp(min=1)
             mean = per_row[has].sum() / has.sum().clamp(min=1)
         factor = float(mean)
         if not factor > 1e-8:
@@ -163,7 +180,7 @@ def off_policy_sequence_mask(
     """
     if not delta >= 0:
         raise ValueError(f"OPSM delta must be >= 0, got {delta}")
-    _check_pair(logprobs, sampling_logprobs, mask)
+    check_logprob_pair(logprobs, sampling_logprobs, mask)
     if advantages.shape != mask.shape[:1]:
         raise ValueError(f"advantages must be [N] = [{mask.shape[0]}], got shape {list(advantages.shape)}")
     with torch.no_grad():

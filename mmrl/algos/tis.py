@@ -22,6 +22,17 @@ TIS_MODES = ("truncate", "mask", "band")
 _METRIC_LOG_CLAMP = 80.0
 
 
+def check_logprob_pair(
+    trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """Raise ValueError unless the two log-prob tensors and the mask are all the same [N, R]."""
+    if not (trainer_logprobs.shape == rollout_logprobs.shape == mask.shape) or mask.dim() != 2:
+        raise ValueError(
+            f"trainer_logprobs {list(trainer_logprobs.shape)}, rollout_logprobs "
+            f"{list(rollout_logprobs.shape)} and mask {list(mask.shape)} must all be the same [N, R]"
+        )
+
+
 def tis_weights(
     trainer_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
@@ -72,11 +83,7 @@ def tis_weights(
         low = 1.0 / cap if low is None else low
         if not 0 < low < cap:
             raise ValueError(f"TIS band: low must be in (0, cap={cap}), got {low}")
-    if not (trainer_logprobs.shape == rollout_logprobs.shape == mask.shape) or mask.dim() != 2:
-        raise ValueError(
-            f"trainer_logprobs {list(trainer_logprobs.shape)}, rollout_logprobs "
-            f"{list(rollout_logprobs.shape)} and mask {list(mask.shape)} must all be the same [N, R]"
-        )
+    check_logprob_pair(trainer_logprobs, rollout_logprobs, mask)
     with torch.no_grad():
         m = mask > 0
         zero = torch.zeros_like(trainer_logprobs, dtype=torch.float32)

@@ -4,7 +4,7 @@
     deepspeed_group.py  trainer.strategy=deepspeed: DeepSpeedLearner (ZeRO-2/3 in that group) and
                         the local backend's one-process DeepSpeed trainee
     one_update.py       one update of the group on a saved step, launched by torchrun
-    ray_backend.py      trainer.backend=ray: rollout workers, a reward worker and the training
+    ray_backend.py      trainer.backend=ray: rollout workers, reward workers and the training
                         group as Ray actors, composed into the same loop as the local backend
 
 Ray, DeepSpeed and the group's launch are imported lazily: a local run with the default strategy

@@ -15,6 +15,10 @@ every mini-batch). DeepSpeed owns what it is for:
                         weights and compute, float32 master weights in the optimizer, gradients
                         accumulated in float32; else float32 throughout
 
+With LoRA (`model.lora_rank > 0`) the engine's optimizer holds the adapters only (ZeRO-2
+partitions their state; ZeRO-3 partitions the frozen base weights too), and the KL reference is
+the same engine's model with its adapters disabled (`EngineModule.disable_adapter`): no copy.
+
 Two things differ from FSDP2 and are handled here. DeepSpeed averages the processes' gradients
 (their sum / world size) where the FSDP2 group sums them, so each loss share is scaled by the
 world size (`GroupLearner.averages_gradients`). Gradient accumulation is left to the caller
@@ -32,8 +36,8 @@ Two compositions use it:
 
 Checkpoints: the optimizer state is consolidated per parameter name (float32 master weight, Adam
 moments, step count, learning rates: `consolidated_optimizer_state`, any stage or world size) and
-put back into the partitions when a local run resumes (`load_consolidated_optimizer_state`; the
-Ray backend does not resume yet). Tested: `tests/test_deepspeed.py` (the 2-process ZeRO-2 and
+put back into the partitions when a run resumes (`load_consolidated_optimizer_state`; in a group
+by `DeepSpeedLearner.load_state`, with the trained weights). Tested: `tests/test_deepspeed.py` (the 2-process ZeRO-2 and
 ZeRO-3 updates against the 1-process one, the local backend's update and resume, a Ray run).
 
 ZeRO-3 records the order in which the model's modules run and requires it to be the same on every
@@ -66,7 +70,7 @@ import torch.distributed as dist
 
 from mmrl.config import Config
 from mmrl.distributed.training_group import GroupLearner
-from mmrl.models.adapters import param_groups
+from mmrl.models.adapters import is_lora, param_groups
 from mmrl.models.loading import Policy
 from mmrl.models.precision import Precision, resolve_dtype
 from mmrl.train.grpo import Composition, Trainee, grpo_step, lr_lambda, make_trainee
@@ -217,6 +221,10 @@ class EngineModule(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "engine", engine)
 
+    def disable_adapter(self):
+        """LoRA: the engine's model with its adapters off (the KL reference)."""
+        return self.engine.module.disable_adapter()
+
     def run_as_forward(self, fn):
         module = self.engine.module
         module.forward = types.MethodType(lambda self: fn(self), module)  # this call only
@@ -356,18 +364,21 @@ def _cpu_adam_type() -> type:
     return DeepSpeedCPUAdam
 
 
-def full_state_dict(engine, rank: int) -> dict[str, torch.Tensor] | None:
+def full_state_dict(engine, rank: int, only: set[str] | None = None) -> dict[str, torch.Tensor] | None:
     """The model's weights (its own dtype) on CPU on rank 0 (None elsewhere; every rank must
-    call): under ZeRO-3 each parameter is gathered in turn, never the whole model at once."""
+    call): under ZeRO-3 each parameter is gathered in turn, never the whole model at once.
+    `only`: these keys alone (the trained parameters)."""
     gathered = require_deepspeed().zero.GatheredParameters
     full = {}
     for key, value in engine.module.state_dict(keep_vars=True).items():
+        if only is not None and key not in only:
+            continue
         if hasattr(value, "ds_id"):  # a ZeRO-3 partitioned parameter
             with gathered([value]):
                 if rank == 0:
-                    full[key] = value.detach().cpu().clone()
+                    full[key] = value.detach().to("cpu", copy=True)
         elif rank == 0:
-            full[key] = value.detach().cpu()
+            full[key] = value.detach().to("cpu", copy=True)  # never a view of the live weights
     return full if rank == 0 else None
 
 
@@ -388,6 +399,29 @@ class DeepSpeedOptimizerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_consolidated_optimizer_state(self.engine, state)
+
+
+def load_trained_weights(engine, weights: dict[str, torch.Tensor], rank: int) -> None:
+    """Set every trained parameter of `engine` from `weights` (by name; every rank, each with
+    the whole dict): the model's copy in its own dtype (ZeRO-3: gathered, written on rank 0 and
+    partitioned again) and the optimizer's float32 master weight."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    gathered = require_deepspeed().zero.GatheredParameters
+    trained = _trainable(engine)
+    missing = sorted({name for name, _ in trained} - weights.keys())
+    if missing:
+        raise KeyError(f"the state to load lacks trained parameters {missing[:5]}")
+    with torch.no_grad():
+        for name, p in trained:
+            value = weights[name]
+            if hasattr(p, "ds_id"):  # ZeRO-3: partitioned
+                with gathered([p], modifier_rank=0):
+                    if rank == 0:
+                        p.data.copy_(value.to(device=p.device, dtype=p.dtype))
+            else:
+                p.data.copy_(value.to(device=p.device, dtype=p.dtype))
+            safe_set_full_fp32_param(p, value.to(device=p.device, dtype=torch.float32))
 
 
 def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -421,7 +455,9 @@ class DeepSpeedLearner(GroupLearner):
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         reference = None
-        if cfg.algo.kl_coef > 0:
+        if cfg.algo.kl_coef > 0 and is_lora(model):
+            reference = "adapters_disabled"  # the base model, through the engine: nothing to copy
+        elif cfg.algo.kl_coef > 0:
             frozen = copy.deepcopy(model).eval().requires_grad_(False)
             if cfg.trainer.zero_stage == 3:  # partitioned like the policy
                 reference = EngineModule(reference_engine(cfg, frozen, self.world_size, bf16, device))
@@ -440,11 +476,20 @@ class DeepSpeedLearner(GroupLearner):
         self.optimizer = DeepSpeedSteps(self.engine)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.engine.basic_optimizer, lr_lambda(cfg))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return full_state_dict(self.engine, self.rank)
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
+        return full_state_dict(self.engine, self.rank, self.trainable_names() if trainable_only else None)
+
+    def trainable_names(self) -> set[str]:
+        return {name for name, _ in _trainable(self.engine)}
 
     def optimizer_state_dict(self) -> dict | None:
         return consolidated_optimizer_state(self.engine, self.rank)
+
+    def load_state(self, weights: dict[str, torch.Tensor], optimizer: dict | None, steps: int) -> None:
+        load_trained_weights(self.engine, weights, self.rank)
+        if optimizer is not None:  # its master weights are the checkpoint's float32 ones
+            load_consolidated_optimizer_state(self.engine, optimizer)
+        self._set_schedule(steps)
 
     def close(self, end_group: bool = True) -> None:
         self.engine.destroy()  # its hooks on the model (and DeepSpeed's collectives in them)

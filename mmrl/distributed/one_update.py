@@ -1,16 +1,19 @@
-"""One update of the training group on a saved step, launched by `torchrun`.
+"""Updates of the training group on saved steps, launched by `torchrun`.
 
 Checks that a launch of the group computes what a single process computes on the same global
-batch (and is how the test does it):
+batches (and is how the tests do it):
 
     torchrun --nproc_per_node 2 -m mmrl.distributed.one_update \\
-        --config run.yaml --model MODEL_DIR --step step.pt --out result.pt
+        --config run.yaml --model MODEL_DIR --step step1.pt [--step step2.pt ...] --out result.pt
 
-`step.pt` holds `{"batch": RolloutBatch, "advantages": [N], "weights": [N, R] or None}`. Every
-process computes the old (and reference) log-probs of its rows, the group exchanges them, then
-runs `GroupLearner.update`; rank 0 writes `{"state_dict", "metrics", "old_logprobs",
-"ref_logprobs"}` to `--out`. Several `--config` / `--out` pairs run one after the other in the
-same processes (the DeepSpeed test's ZeRO-2 and ZeRO-3 updates share one launch).
+Each `step.pt` holds `{"batch": RolloutBatch, "advantages": [N], "weights": [N, R] or None}`;
+the steps are applied in order. At each, every process computes the old (and reference)
+log-probs of its rows with the current weights, the group exchanges them, then runs
+`GroupLearner.update`; rank 0 writes `{"steps": [{"state_dict", "metrics", "old_logprobs",
+"ref_logprobs"} per step], **the last step's}` to `--out`. `--init FILE` (a torch file of
+weights by name) sets the trained parameters first (`GroupLearner.load_state`), e.g. to the
+single-process trainer's LoRA adapters. Several `--config` / `--out` pairs run one after the
+other in the same processes (the DeepSpeed tests' updates share one launch).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from mmrl.config import load_config
-from mmrl.distributed.training_group import learner_class, merge_metrics
+from mmrl.distributed.learners import learner_class
+from mmrl.distributed.training_group import merge_metrics
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,7 +34,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="the run's config (YAML, as in a run directory); repeat it (one --out each) to "
                         "run several updates in the same processes")  # fmt: skip
     parser.add_argument("--model", required=True, help="the policy's Hugging Face folder")
-    parser.add_argument("--step", required=True, help="torch file: batch, advantages, TIS weights")
+    parser.add_argument(
+        "--step",
+        required=True,
+        action="append",
+        help="torch file: batch, advantages, TIS weights; repeat it for more steps, in order",
+    )
+    parser.add_argument("--init", help="torch file of weights by name: the trained parameters' start")
     parser.add_argument("--out", required=True, action="append", help="where rank 0 writes the result")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
@@ -38,19 +48,24 @@ def main(argv: list[str] | None = None) -> None:
     if len(args.config) != len(args.out):
         parser.error(f"{len(args.config)} --config but {len(args.out)} --out: give one --out per --config")
 
-    step = torch.load(args.step, weights_only=False)
+    steps = [torch.load(path, weights_only=False) for path in args.step]
+    init = None if args.init is None else torch.load(args.init, weights_only=False)
     for i, (config, out) in enumerate(zip(args.config, args.out)):  # one process group for all
         cfg = load_config(config_file=config)
         learner = learner_class(cfg).from_env(
             cfg, args.model, threads=args.threads, dtype=getattr(torch, args.dtype)
         )
-        one_update(learner, step, out)
+        if init is not None:
+            learner.load_state(init, None, 0)
+        results = [one_update(learner, step) for step in steps]
+        if learner.rank == 0:
+            torch.save({"steps": results, **results[-1]}, out)
         learner.close(end_group=i == len(args.config) - 1)
 
 
-def one_update(learner, step: dict, out: str) -> None:
-    """Old / reference log-probs of each process's rows, gathered; the group's update; rank 0
-    writes the result to `out`."""
+def one_update(learner, step: dict) -> dict | None:
+    """Old / reference log-probs of each process's rows, gathered; the group's update. Returns
+    (on rank 0; None elsewhere) the weights after it, the merged metrics and the log-probs."""
     batch = step["batch"]
     rows, old, ref = learner.old_and_ref_logprobs(batch)
     parts: list = [None] * learner.world_size
@@ -66,10 +81,10 @@ def one_update(learner, step: dict, out: str) -> None:
     all_metrics: list = [None] * learner.world_size
     dist.all_gather_object(all_metrics, metrics)
     state = learner.full_state_dict()
-    if learner.rank == 0:
-        result = {"state_dict": state, "metrics": merge_metrics(all_metrics), "old_logprobs": old_all,
-                  "ref_logprobs": ref_all}  # fmt: skip
-        torch.save(result, out)
+    if learner.rank != 0:
+        return None
+    return {"state_dict": state, "metrics": merge_metrics(all_metrics), "old_logprobs": old_all,
+            "ref_logprobs": ref_all}  # fmt: skip
 
 
 if __name__ == "__main__":

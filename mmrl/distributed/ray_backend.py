@@ -6,21 +6,35 @@
                             (`rollout.engine`: HF generate or vLLM) and copy of the weights; a
                             batch's prompts are split between them
     reward workers          `trainer.reward_workers` actors, each holding a verifier router (its
-                            worker processes, time limits and error policy), placed across nodes
-                            (their own SPREAD placement group); each response goes to the one
-                            with the fewest responses waiting, as each rollout worker's share
-                            arrives
+                            worker processes, time limits and error policy) and the run's model
+                            rewards, placed across nodes (their own SPREAD placement group);
+                            each response goes to the one with the fewest responses waiting, as
+                            each rollout worker's share arrives; a batch's model rewards are
+                            split evenly over them (`RayModelRewards`)
     training group          `trainer.train_workers` actors, one `GroupLearner` each (FSDP2,
                             data parallel, `mmrl.distributed.training_group`; DeepSpeed ZeRO
                             with `trainer.strategy=deepspeed`, `mmrl.distributed.deepspeed_group`)
 
 The rollout workers and the training group live in one placement group, the reward workers in a
-second one spread over the nodes (`trainer.ray_cpus_per_actor`, `trainer.ray_gpus_per_actor`
-each; reward workers take no GPU). The pieces plug into the same `Trainee` as the local backend:
-the rollout workers are its `engine` (`RolloutPool`), the reward workers its `router`
-(`RayRouter`), the training group its learner (`RayTrainee.old_and_ref_logprobs` /
-`update_policy`); after each update the group's weights go to every rollout worker (one object
-in Ray's store) and to the driver's copy. Metrics and the run directory are the local backend's.
+second one spread over the nodes (`trainer.ray_cpus_per_actor` each; `trainer.ray_gpus_per_actor`
+for rollout and training actors, `trainer.ray_reward_gpus` for reward workers, whose model
+rewards score there and go to host memory around each update by the local placement rules).
+The pieces plug into the same `Trainee` as the local backend: the rollout workers are its
+`engine` (`RolloutPool`), the reward workers its `router` (`RayRouter`) and model rewards, the
+training group its learner (`RayTrainee.old_and_ref_logprobs` / `update_policy`); after each
+update the group's weights go to the driver's copy and from it to every rollout worker (one
+object in Ray's store). Metrics and the run directory are the local backend's.
+
+LoRA: the group trains the adapters (the KL reference is the base with them disabled); the
+driver's copy has the same adapters (checkpoints save them, the final save merges them); the
+rollout workers get the adapters alone (`trainer.lora_sync=adapters`: their engine runs them
+unmerged) or the model with them merged in (`merged`). Measured in `benchmarks/lora_sync.py`.
+
+Resume: a checkpoint holds the driver's copy (the trained weights), the group's optimizer state
+gathered by parameter name, the schedule and the rollout workers' random generators
+(`RayTrainee.checkpoint_state`); `RayTrainee.restore` sends them back to the processes of a new
+group and to the new rollout workers, so a resumed run continues bit for bit (tested after
+SIGKILL at three points, `tests/test_distributed_ray_cluster.py`).
 
 Failures: a call to a dead rollout worker or training process raises an error naming the actor;
 a dead reward worker is replaced (its share of the batch scored again) and the replacement
@@ -44,7 +58,7 @@ import torch
 
 from mmrl.config import Config
 from mmrl.distributed.training_group import merge_metrics
-from mmrl.models.adapters import param_groups
+from mmrl.models.adapters import apply_lora, is_lora, merged_state_dict, param_groups
 from mmrl.models.loading import Policy
 from mmrl.rollout.hf import SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch
@@ -83,26 +97,52 @@ class RolloutWorker:
     def __init__(self, cfg: Config, model_path: str, seed: int, threads: int):
         from mmrl.models.loading import load_inference_policy
         from mmrl.train.async_grpo import make_rollout_engine
+        from mmrl.train.grpo import seed_everything
 
         if threads > 0:
             torch.set_num_threads(threads)
-        torch.manual_seed(seed)
+        seed_everything(seed)  # every generator it has, so its checkpointed state is the run's own
         # On the actor's own device (Ray exposes its GPU as cuda:0), in the compute dtype.
         policy = load_inference_policy(model_path, cfg.trainer.device, cfg.model.dtype, cfg.model.revision)
+        if lora_sync(cfg) == "adapters":  # the same adapters as the policy's, run unmerged
+            from mmrl.models.adapters import apply_lora
+
+            policy.model = apply_lora(policy.model, cfg)
         self.engine = make_rollout_engine(cfg, policy)
 
     def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
         return self.engine.generate(samples, params)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def rollout_metrics(self) -> dict[str, float]:
+        """The engine's facts about its last `generate` (`HFRolloutEngine.rollout_metrics`)."""
+        facts = getattr(self.engine, "rollout_metrics", None)
+        return facts() if callable(facts) else {}
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], adapters: bool = False) -> None:
+        """The policy's new weights: all of them, or (`adapters`) every LoRA adapter weight."""
         model = getattr(self.engine, "model", None)
         if isinstance(model, torch.nn.Module):  # HF: every key must match, nothing silently kept
-            missing = model.state_dict().keys() - state_dict.keys()
-            unexpected = state_dict.keys() - model.state_dict().keys()
+            own = model.state_dict().keys()
+            expected = {k for k in own if ".lora_" in k} if adapters else own
+            missing, unexpected = expected - state_dict.keys(), state_dict.keys() - expected
             if missing or unexpected:
                 raise KeyError(f"weights do not fit the rollout model: missing {sorted(missing)[:5]}, "
                                f"unexpected {sorted(unexpected)[:5]}")  # fmt: skip
         self.engine.load_weights(state_dict)
+
+    def rng_state(self) -> dict[str, Any]:
+        """The sampling generators' state (a checkpoint's, to resume exactly)."""
+        from mmrl.train.checkpoint import rng_state
+
+        return rng_state()
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        from mmrl.train.checkpoint import set_rng_state
+
+        set_rng_state(state)
+
+    def node(self) -> str:
+        return _ray().get_runtime_context().get_node_id()
 
     def sleep(self) -> None:
         self.engine.sleep()
@@ -124,6 +164,21 @@ class RewardWorker:
         self.router = make_router(cfg)
         self.pending: dict[str, Any] = {}
         self.rows_scored = 0
+        self.placement = None
+        mr = cfg.reward.model_rewards
+        if mr.models:  # model rewards, placed by the local rules on this actor's device
+            from mmrl.rewards.catalog import build_reward_models
+            from mmrl.rewards.config import accelerator_device
+            from mmrl.rewards.placement import RewardPlacement
+            from mmrl.verifier_pool import import_plugins
+
+            import_plugins(cfg.reward.plugins)  # reward model types registered by plugins
+            device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes its GPU as cuda:0
+            budget = None if mr.placement.budget_mb is None else int(mr.placement.budget_mb * 2**20)
+            self.placement = RewardPlacement(
+                build_reward_models(mr, device), accelerator=accelerator_device(mr.placement, device),
+                host=mr.placement.host, budget_bytes=budget,
+            )  # fmt: skip
 
     def warm_up(self) -> float:
         return self.router.warm_up()
@@ -154,6 +209,23 @@ class RewardWorker:
         """Rows this worker returned results for."""
         return self.rows_scored
 
+    def score_models(
+        self, samples: list[Sample], texts: list[str]
+    ) -> tuple[list[dict[str, float]], dict[int, tuple[str, str]]]:
+        """The model rewards of these rows (`RewardPlacement.score_rows`) and the failed rows."""
+        failures: dict[int, tuple[str, str]] = {}
+        return self.placement.score_rows(samples, texts, failures), failures
+
+    def before_update(self) -> None:
+        """The policy is about to train: offloaded reward models go to host memory."""
+        self.placement.before_update()
+
+    def placement_metrics(self) -> dict[str, float]:
+        return self.placement.metrics()
+
+    def node(self) -> str:
+        return _ray().get_runtime_context().get_node_id()
+
     def close(self) -> None:
         self.router.close()
 
@@ -178,12 +250,15 @@ class TrainWorker:
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
     def setup(self, cfg: Config, model_path: str, rank: int, world_size: int, init_method: str) -> None:
-        from mmrl.distributed.training_group import learner_class
+        from mmrl.distributed.learners import learner_class
 
         self.learner = learner_class(cfg)(cfg, model_path, rank, world_size, init_method)
 
     def call(self, method: str, *args):
         return getattr(self.learner, method)(*args)
+
+    def node(self) -> str:
+        return _ray().get_runtime_context().get_node_id()
 
     def close(self) -> None:
         if self.learner is not None:
@@ -214,6 +289,7 @@ class RolloutPool:
 
     def __init__(self, ray, workers: list, names: list[str], pad_token_id: int):
         self.ray, self.workers, self.names, self.pad_token_id = ray, workers, names, pad_token_id
+        self._used: list[int] = []  # the workers the last `generate` gave a part to
 
     def generate(self, samples: list[Sample], params: SamplingParams, on_response=None) -> RolloutBatch:
         """`on_response(row, text)` is called for each row of a worker's part as soon as that
@@ -222,6 +298,7 @@ class RolloutPool:
         bounds = [round(i * len(samples) / k) for i in range(k + 1)]
         parts = [(i, bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
         refs = {self.workers[i].generate.remote(samples[a:b], params): (i, a) for i, a, b in parts}
+        self._used = [i for i, _, _ in parts]
         chunks: dict[int, RolloutBatch] = {}
         waiting = list(refs)
         while waiting:
@@ -237,9 +314,39 @@ class RolloutPool:
         batch.group_size = params.n
         return batch
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], adapters: bool = False) -> None:
         ref = self.ray.put(state_dict)  # one copy in the object store, read by every worker
-        _get(self.ray, [w.load_weights.remote(ref) for w in self.workers], self.names)
+        _get(self.ray, [w.load_weights.remote(ref, adapters) for w in self.workers], self.names)
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """The local engine's rollout facts over the workers of the last `generate`: whether LoRA
+        was merged or decoding captured (every worker: the minimum), compactions summed, the
+        decode step time and live cache as the workers' mean."""
+        if not self._used:
+            return {}
+        workers = [self.workers[i] for i in self._used]
+        parts = _get(
+            self.ray, [w.rollout_metrics.remote() for w in workers], [self.names[i] for i in self._used]
+        )
+        out: dict[str, float] = {}
+        for key in set().union(*parts):
+            values = [p[key] for p in parts if key in p]
+            if key == "rollout/compactions":
+                out[key] = float(sum(values))
+            elif key in ("rollout/lora_merged", "rollout/decode_captured"):
+                out[key] = float(min(values))
+            else:
+                out[key] = sum(values) / len(values)
+        return out
+
+    def rng_states(self) -> list[dict[str, Any]]:
+        return _get(self.ray, [w.rng_state.remote() for w in self.workers], self.names)
+
+    def set_rng_states(self, states: list[dict[str, Any]]) -> None:
+        if len(states) != len(self.workers):
+            raise ValueError(f"the checkpoint holds {len(states)} rollout workers' generators, the run has "
+                             f"{len(self.workers)} (trainer.rollout_workers changed)")  # fmt: skip
+        _get(self.ray, [w.set_rng_state.remote(st) for w, st in zip(self.workers, states)], self.names)
 
     def sleep(self) -> None:
         _get(self.ray, [w.sleep.remote() for w in self.workers], self.names)
@@ -412,6 +519,40 @@ class RayRouter:
                 self.ray.get(actor.close.remote(), timeout=30)
 
 
+class RayModelRewards:
+    """The model rewards (`reward.model_rewards`) in the reward workers, with the interface of a
+    local `RewardPlacement` the step uses: a batch's rows are split evenly over the workers
+    (each holds the models, placed on its own device by the local rules); around each update
+    every worker moves its offloaded models to host memory."""
+
+    def __init__(self, router: RayRouter):
+        self.router = router
+
+    def score_rows(
+        self, samples: list[Sample], texts: list[str], failures: dict[int, tuple[str, str]]
+    ) -> list[dict[str, float]]:
+        actors, names = self.router.actors, self.router.names
+        k = len(actors)
+        bounds = [round(i * len(samples) / k) for i in range(k + 1)]
+        parts = [(i, bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
+        refs = [actors[i].score_models.remote(samples[a:b], texts[a:b]) for i, a, b in parts]
+        results = _get(self.router.ray, refs, [names[i] for i, _, _ in parts])
+        rows: list[dict[str, float]] = []
+        for (_, first, _), (part_rows, part_failures) in zip(parts, results):
+            rows.extend(part_rows)
+            failures.update({first + r: f for r, f in part_failures.items()})
+        return rows
+
+    @contextlib.contextmanager
+    def training(self):
+        _get(self.router.ray, [a.before_update.remote() for a in self.router.actors], self.router.names)
+        yield
+
+    def metrics(self) -> dict[str, float]:
+        """The first reward worker's placement (every worker places the same models alike)."""
+        return _get(self.router.ray, [self.router.actor.placement_metrics.remote()], [self.router.name])[0]
+
+
 class RayTrainingGroup:
     """The training group's actors, called together (they meet in collectives)."""
 
@@ -436,24 +577,32 @@ class RayTrainingGroup:
     def update(self, batch, advantages, old_logprobs, ref_logprobs, weights) -> dict[str, float]:
         return merge_metrics(self.call("update", batch, advantages, old_logprobs, ref_logprobs, weights))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.call("full_state_dict")[0]
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        return self.call("full_state_dict", trainable_only)[0]
 
     def optimizer_state_dict(self) -> dict:
         return self.call("optimizer_state_dict")[0]
 
+    def load_state(self, weights: dict[str, torch.Tensor], optimizer: dict | None, steps: int) -> None:
+        """Every process: the trained weights, the optimizer state, the schedule's position."""
+        weights, optimizer = self.ray.put(weights), self.ray.put(optimizer)  # one copy for all
+        self.call("load_state", weights, optimizer, steps)
+
 
 class GroupOptimizerState:
-    """Stands for the optimizer in checkpoints: its state is the training group's (gathered)."""
+    """Stands for the optimizer in checkpoints: its state is the training group's (gathered).
+    A resumed run's state is held here until `RayTrainee.restore` sends it to the group with
+    the weights."""
 
     def __init__(self, group: RayTrainingGroup):
         self.group = group
+        self.loaded: dict | None = None
 
     def state_dict(self) -> dict:
         return self.group.optimizer_state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("resuming a trainer.backend=ray run is not supported yet")
+        self.loaded = state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,6 +636,8 @@ class RayTrainee(Trainee):
 
     group: RayTrainingGroup | None = None
     cluster: RayCluster | None = None
+    lora_sync: str | None = None
+    """With LoRA: `adapters` or `merged` (`trainer.lora_sync`, `auto` resolved); None without."""
     updates_while_scoring = False  # the group's update runs in other processes, in one call
 
     def old_and_ref_logprobs(self, cfg: Config, batch: RolloutBatch):
@@ -495,14 +646,54 @@ class RayTrainee(Trainee):
     def update_policy(
         self, cfg, batch, advantages, old_logprobs, ref_logprobs, weights, before_minibatch=None
     ) -> dict[str, float]:
-        """The group's update, then the new weights to every rollout worker and the driver."""
+        """The group's update, then the new weights to the driver and every rollout worker."""
         if before_minibatch is not None:  # `updates_while_scoring` is False: never passed one
             raise ValueError("the Ray training group updates the whole batch in one call")
         metrics = self.group.update(batch, advantages, old_logprobs, ref_logprobs, weights)
-        state = self.group.full_state_dict()
-        self.engine.load_weights(state)
-        self.policy.model.load_state_dict(state, strict=True)
+        self.pull_weights()
+        self.push_weights()
         return metrics
+
+    def pull_weights(self) -> None:
+        """The group's weights into the driver's copy (LoRA: the adapters only)."""
+        lora = is_lora(self.policy.model)
+        state = self.group.full_state_dict(trainable_only=lora)
+        if lora:  # every adapter weight, nothing else
+            own = {k for k in self.policy.model.state_dict() if ".lora_" in k}
+            if set(state) != own:
+                raise KeyError(
+                    f"the group's adapters do not match the driver's: {sorted(set(state) ^ own)[:5]}"
+                )
+            self.policy.model.load_state_dict(state, strict=False)
+        else:
+            self.policy.model.load_state_dict(state, strict=True)
+
+    def push_weights(self) -> None:
+        """The driver's weights to every rollout worker: the whole model, or with LoRA the
+        adapters (`trainer.lora_sync=adapters`) or the model with them merged in (`merged`)."""
+        model = self.policy.model
+        if not is_lora(model):
+            self.engine.load_weights(model.state_dict())
+        elif self.lora_sync == "adapters":
+            self.engine.load_weights(
+                {k: v for k, v in model.state_dict().items() if ".lora_" in k}, adapters=True
+            )
+        else:
+            self.engine.load_weights(merged_state_dict(model))
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The rollout workers' generators (each samples with its own)."""
+        return {"rollout_rng": self.engine.rng_states()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """A resumed run: the group gets the checkpoint's trained weights (the driver's copy has
+        loaded them), optimizer state and schedule position; the rollout workers the weights and
+        their generators."""
+        weights = {n: p.detach() for n, p in self.policy.model.named_parameters() if p.requires_grad}
+        self.group.load_state(weights, self.optimizer.loaded, int(state["scheduler"]["last_epoch"]))
+        self.optimizer.loaded = None
+        self.push_weights()
+        self.engine.set_rng_states(state["rollout_rng"])
 
     def close(self) -> None:
         if self.cluster is not None:
@@ -527,9 +718,12 @@ class RayCluster:
 
         self.pg = placement_group(bundles, strategy="PACK")
         # The reward workers: CPU only, spread over the nodes so verifier throughput grows with them.
-        self.reward_pg = placement_group([{"CPU": cpus} for _ in range(tr.reward_workers)], strategy="SPREAD")
+        reward_gpus = {"GPU": tr.ray_reward_gpus} if tr.ray_reward_gpus else {}
+        self.reward_pg = placement_group([{"CPU": cpus, **reward_gpus} for _ in range(tr.reward_workers)],
+                                         strategy="SPREAD")  # fmt: skip
         for pg, n, what in ((self.pg, len(bundles), f"{cpus} CPU / {gpus} GPU"),
-                            (self.reward_pg, tr.reward_workers, f"{cpus} CPU (reward workers)")):  # fmt: skip
+                            (self.reward_pg, tr.reward_workers,
+                             f"{cpus} CPU / {tr.ray_reward_gpus} GPU (reward workers)")):  # fmt: skip
             try:
                 ray.get(pg.ready(), timeout=READY_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
@@ -541,7 +735,8 @@ class RayCluster:
         self.actors: list = []
         self.env = {"PYTHONSAFEPATH": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(self.threads)}  # fmt: skip
-        for name in ("MMRL_CACHE", "TORCH_EXTENSIONS_DIR"):  # built-in bases; DeepSpeed's compiled ops
+        # built-in bases; DeepSpeed's compiled ops; where plugin modules (verifiers, reward models) are
+        for name in ("MMRL_CACHE", "TORCH_EXTENSIONS_DIR", "PYTHONPATH"):
             if os.environ.get(name):
                 self.env[name] = os.environ[name]
 
@@ -565,8 +760,9 @@ class RayCluster:
         return actor
 
     def start_reward_worker(self, cfg: Config, slot: int):
-        """A `RewardWorker` in bundle `slot` of the reward workers' placement group."""
-        return self.start(RewardWorker, slot, False, cfg, self.threads, pg=self.reward_pg)
+        """A `RewardWorker` in bundle `slot` of the reward workers' placement group (with its GPU
+        share, `trainer.ray_reward_gpus`, for the model rewards)."""
+        return self.start(RewardWorker, slot, True, cfg, self.threads, pg=self.reward_pg)
 
     def shutdown(self, router: RayRouter | None = None) -> None:
         ray = self.ray
@@ -596,6 +792,8 @@ def make_ray_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -
     """Start the actors and wire them into a trainee; `policy` (loaded from its folder) stays
     on the driver as the copy that checkpoints and the final save read."""
     model_path = str(policy.model.name_or_path)
+    if cfg.model.lora_rank > 0:  # the driver's copy saves the adapters (checkpoints) and the merged final
+        policy.model = apply_lora(policy.model, cfg)
     if not (Path(model_path) / "config.json").exists():
         raise ValueError(
             f"the Ray backend starts every actor from the policy's folder; {model_path!r} is not one"
@@ -621,7 +819,7 @@ def make_ray_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -
         raise
     policy.model.train()
     group = RayTrainingGroup(ray, train, train_names)
-    return RayTrainee(
+    t = RayTrainee(
         policy=policy,
         reference=None,
         engine=RolloutPool(ray, rollout, rollout_names, policy.pad_token_id),
@@ -629,6 +827,35 @@ def make_ray_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -
         optimizer=GroupOptimizerState(group),
         scheduler=ScheduleMirror([g["lr"] for g in param_groups(policy.model, cfg)], lr_lambda(cfg)),
         run_dir=run_dir,
+        reward_models=RayModelRewards(router) if cfg.reward.model_rewards.models else None,
         group=group,
         cluster=cluster,
+        lora_sync=lora_sync(cfg),
     )
+    try:
+        if cfg.model.lora_rank > 0:  # the group drew the adapters: the driver and the workers take them
+            t.pull_weights()
+            t.push_weights()
+        log_placement(ray, {**dict(zip(rollout_names, rollout)), **dict(zip(train_names, train)),
+                            **dict(zip(router.names, router.actors))})  # fmt: skip
+    except BaseException:
+        t.close()
+        raise
+    return t
+
+
+def lora_sync(cfg: Config) -> str | None:
+    """What the rollout workers receive with LoRA (`trainer.lora_sync`, `auto` resolved); None
+    without LoRA."""
+    if cfg.model.lora_rank == 0:
+        return None
+    if cfg.trainer.lora_sync != "auto":
+        return cfg.trainer.lora_sync
+    return "adapters" if cfg.rollout.engine == "hf" else "merged"
+
+
+def log_placement(ray, actors: dict[str, Any]) -> dict[str, str]:
+    """Log (and return) the node each actor runs on."""
+    nodes = dict(zip(actors, _get(ray, [a.node.remote() for a in actors.values()], list(actors))))
+    log.info("placement: %s", ", ".join(f"{name} on node {node[:12]}" for name, node in nodes.items()))
+    return nodes

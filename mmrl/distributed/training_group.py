@@ -17,14 +17,18 @@ each forward of the update, so the loss values and metrics stay update_policy's 
 clipping sees the global norm (DTensor). Tested: a 2-process gloo update gives the 1-process
 parameters (`tests/test_distributed_training_group.py`).
 
+LoRA (`model.lora_rank > 0`): every process wraps the policy with the same adapters (drawn
+from `trainer.seed`, or set by `load_state`), shards base and adapters alike and trains the
+adapters only; the KL reference is the base with the adapters disabled, as in a local run.
+
 Limits (checked in `Config.__post_init__`): `ppo_epochs=1` (later epochs shuffle rows within
 a process), an entropy bonus only with `loss_agg=token_mean` (its normaliser is a token count),
-no DAPO dynamic sampling (rows must split evenly), no LoRA yet. A non-finite loss in one
-process skips its micro-batches but not the others': the group would stop in a collective.
+no DAPO dynamic sampling (rows must split evenly). A non-finite loss in one process skips its
+micro-batches but not the others': the group would stop in a collective.
 
 `trainer.strategy=deepspeed` swaps FSDP2 for DeepSpeed ZeRO in the same class's place
-(`learner_class`; `mmrl.distributed.deepspeed_group.DeepSpeedLearner`): the same rows, shares and
-update, DeepSpeed's engine, optimizer and clipping.
+(`mmrl.distributed.learners.learner_class`; `mmrl.distributed.deepspeed_group.DeepSpeedLearner`):
+the same rows, shares and update, DeepSpeed's engine, optimizer and clipping.
 
 Launch: one `GroupLearner` per process, each told its rank, the world size and a rendezvous
 (`init_method`): Ray actors (`mmrl.distributed.ray_backend`), or any launcher such as
@@ -34,7 +38,9 @@ Launch: one `GroupLearner` per process, each told its rank, the world size and a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import math
 import os
 from collections import deque
 from pathlib import Path
@@ -44,7 +50,7 @@ import torch.distributed as dist
 
 from mmrl.algos.losses import loss_denominator
 from mmrl.config import Config
-from mmrl.models.adapters import freeze_parts, param_groups
+from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, param_groups
 from mmrl.models.loading import Policy, load_policy
 from mmrl.models.precision import Precision, resolve_dtype
 from mmrl.train.batching import select_rows
@@ -168,8 +174,6 @@ class GroupLearner:
     ):
         from mmrl.train.grpo import seed_everything
 
-        if cfg.model.lora_rank > 0:
-            raise ValueError("model.lora_rank > 0: the training group does not shard LoRA adapters yet")
         if threads > 0:
             torch.set_num_threads(threads)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -184,9 +188,16 @@ class GroupLearner:
             )
         seed_everything(cfg.trainer.seed)
         policy = load_policy(model_path, dtype=dtype, revision=cfg.model.revision)
+        if cfg.model.lora_rank > 0:  # the same adapters in every process: drawn from the same seed
+            torch.manual_seed(cfg.trainer.seed)
+            policy.model = apply_lora(policy.model, cfg)
         freeze_parts(policy.model, cfg)
         self._shard(policy, dtype)
         self._wrapped = ShareOfGlobalLoss(self.model)
+        # `update` runs `update_policy` on one mini-batch at a time.
+        self._one_minibatch = dataclasses.replace(
+            cfg, trainer=dataclasses.replace(cfg.trainer, mini_batches=1)
+        )
 
     averages_gradients = False
     """Whether the strategy averages the processes' gradients (then each loss share is scaled by
@@ -213,7 +224,9 @@ class GroupLearner:
             else fsdp.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         )
         reference = None
-        if cfg.algo.kl_coef > 0:
+        if cfg.algo.kl_coef > 0 and is_lora(model):
+            reference = "adapters_disabled"  # the base model: nothing to copy
+        elif cfg.algo.kl_coef > 0:
             reference = shard(copy.deepcopy(model).eval().requires_grad_(False), mesh, mp)
         self.model = shard(model, mesh, mp)
         self.precision = Precision(self.device, compute, compute)  # FSDP2 casts; no autocast
@@ -254,41 +267,92 @@ class GroupLearner:
         old_logprobs: torch.Tensor,
         ref_logprobs: torch.Tensor | None,
         weights: torch.Tensor | None,
-    ) -> tuple[dict[str, float], float, float]:
+    ) -> list[tuple[dict[str, float], float, float]]:
         """`update_policy` on this process's rows of the whole batch (all tensors are the whole
-        batch's: advantages [N], the rest [N, R]), then one scheduler step. Returns its metrics,
-        its token count and its mean loss share (for `merge_metrics`)."""
+        batch's: advantages [N], the rest [N, R]), one mini-batch at a time (one optimizer step
+        each, as `update_policy` takes them), then one scheduler step. Returns, per mini-batch,
+        its metrics, its token count and its loss share (for `merge_metrics`, which then gives
+        the group's losses exactly: each mini-batch's is the share-weighted sum of the
+        processes')."""
         rows = self.rows(len(batch))
-        dev = self.device
-
-        def mine(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x[rows].to(dev)
-
-        shares = loss_shares(self.cfg, batch.response_mask, rows)
+        M, dev = self.cfg.trainer.mini_batches, self.device
+        shares = loss_shares(self.cfg, batch.response_mask, rows)  # per forward, mini-batch by mini-batch
         scale = self.world_size if self.averages_gradients else 1
-        self._wrapped.shares = deque(share * scale for share in shares)
-        local = select_rows(batch, rows).to(dev)
         policy = Policy(self._wrapped, self.policy.processor, self.policy.blocked,
                         self.policy.stop_token_ids, self.policy.pad_token_id, self.precision)  # fmt: skip
-        metrics = update_policy(
-            self.cfg, policy, self.optimizer, local, mine(advantages), mine(old_logprobs),
-            mine(ref_logprobs), mine(weights),
-        )  # fmt: skip
-        if self._wrapped.shares:
-            raise RuntimeError(f"{len(self._wrapped.shares)} planned gradient passes did not run")
-        self.scheduler.step()
-        return metrics, float(local.response_mask.sum()), sum(shares) / len(shares)
+        share, forwards = len(rows) // M, len(shares) // M
+        parts = []
+        for j in range(M):
+            mb = rows[j * share : (j + 1) * share]
+            mb_shares = shares[j * forwards : (j + 1) * forwards]
+            self._wrapped.shares = deque(x * scale for x in mb_shares)
+            local = select_rows(batch, mb).to(dev)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole policy's weights on CPU on rank 0 (None elsewhere); every rank must call."""
+            def mine(x: torch.Tensor | None, mb=mb) -> torch.Tensor | None:
+                return None if x is None else x[mb].to(dev)
+
+            metrics = update_policy(
+                self._one_minibatch, policy, self.optimizer, local, mine(advantages), mine(old_logprobs),
+                mine(ref_logprobs), mine(weights),
+            )  # fmt: skip
+            if self._wrapped.shares:
+                raise RuntimeError(f"{len(self._wrapped.shares)} planned gradient passes did not run")
+            parts.append((metrics, float(local.response_mask.sum()), mb_shares[0]))
+        self.scheduler.step()
+        return parts
+
+    def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """The policy's weights on CPU on rank 0 (None elsewhere), gathered a tensor at a time;
+        every rank must call. `trainable_only`: the trained parameters only (LoRA: the adapters)."""
         from torch.distributed.tensor import DTensor
 
+        keep = self.trainable_names() if trainable_only else None
         full = {}
         for key, value in self.model.state_dict().items():
+            if keep is not None and key not in keep:
+                continue
             value = value.full_tensor() if isinstance(value, DTensor) else value
             if self.rank == 0:
-                full[key] = value.detach().cpu()
+                full[key] = value.detach().to("cpu", copy=True)  # never a view of the live weights
         return full if self.rank == 0 else None
+
+    def trainable_names(self) -> set[str]:
+        """Names (as in the state dict) of the parameters the optimizer steps."""
+        return {name for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def load_state(self, weights: dict[str, torch.Tensor], optimizer: dict | None, steps: int) -> None:
+        """Resume (every rank, each with the whole state): `weights` of every trained parameter
+        (a checkpoint's, by name; more keys are ignored), the optimizer state as
+        `optimizer_state_dict` returned it (None: fresh), and `steps` scheduler steps taken."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        missing = sorted(self.trainable_names() - weights.keys())
+        if missing:
+            raise KeyError(f"the state to load lacks trained parameters {missing[:5]}")
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if not p.requires_grad:
+                    continue
+                full = weights[name].to(device=p.device, dtype=p.dtype)
+                if isinstance(p, DTensor):  # this rank's shard of the whole tensor, no communication
+                    full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+                    p.to_local().copy_(full.to_local())
+                else:
+                    p.copy_(full)
+        if optimizer is not None:
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(self.model, self.optimizer, optimizer, options=options)
+        self._set_schedule(steps)
+
+    def _set_schedule(self, steps: int) -> None:
+        """The learning-rate schedule as after `steps` scheduler steps (and the groups' rates)."""
+        sched = self.scheduler
+        sched.last_epoch = steps
+        lrs = [base * fn(steps) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        for group, lr in zip(sched.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        sched._last_lr = lrs
 
     def optimizer_state_dict(self) -> dict | None:
         """The optimizer state gathered on rank 0, keyed by parameter name (None elsewhere)."""
@@ -308,37 +372,50 @@ class GroupLearner:
             dist.destroy_process_group()
 
 
-def merge_metrics(parts: list[tuple[dict[str, float], float, float]]) -> dict[str, float]:
-    """The group's `actor/...` metrics from each process's (metrics, tokens, mean loss share).
+def merge_metrics(parts: list[list[tuple[dict[str, float], float, float]]]) -> dict[str, float]:
+    """The group's `actor/...` metrics from `parts[r][j]`: process r's (metrics, tokens, loss
+    share) of mini-batch j, as `GroupLearner.update` returns them.
 
-    Token-weighted means (entropy, PPO KL, clip fractions, ratio mean: exact); the mini-batch
-    losses (`actor/pg_loss`, `actor/ref_kl`) as the share-weighted sum (exact when a process's
-    share is the same in every mini-batch, else close); min / max for the ratio extremes; the
-    gradient norm and skip count as every process saw them (they are the group's)."""
-    total = sum(tokens for _, tokens, _ in parts) or 1.0
-    out: dict[str, float] = {}
-    for key in parts[0][0]:
-        values = [m[key] for m, _, _ in parts]
+    Per mini-batch: the losses (`actor/pg_loss`, `actor/ref_kl`) as the share-weighted sum of
+    the processes' (the mini-batch's own loss, exactly); token-weighted means (entropy, PPO KL,
+    clip fractions, ratio mean); min / max for the ratio extremes; the gradient norm as every
+    process saw it (the group's); skips counted once. Then over the mini-batches as
+    `update_policy` combines them: the mean loss, token-weighted means, the mean gradient norm
+    of the steps taken, the number of skipped steps."""
+    losses = ("actor/pg_loss", "actor/ref_kl")
+    per_mb: list[tuple[dict[str, float], float]] = []
+    for j in range(len(parts[0])):
+        procs = [p[j] for p in parts]
+        tokens = sum(t for _, t, _ in procs)
+        out: dict[str, float] = {}
+        for key in procs[0][0]:
+            values = [m[key] for m, _, _ in procs]
+            if key == "actor/ratio_min":
+                out[key] = min(values)
+            elif key in ("actor/ratio_max", "actor/skipped_steps"):
+                out[key] = max(values)
+            elif key == "actor/grad_norm":
+                out[key] = values[0]
+            elif key in losses:
+                out[key] = sum(v * share for v, (_, _, share) in zip(values, procs))
+            else:
+                out[key] = sum(v * t for v, (_, t, _) in zip(values, procs)) / (tokens or 1.0)
+        per_mb.append((out, tokens))
+    total = sum(t for _, t in per_mb) or 1.0
+    merged: dict[str, float] = {}
+    for key in per_mb[0][0]:
+        values = [m[key] for m, _ in per_mb]
         if key == "actor/ratio_min":
-            out[key] = min(values)
+            merged[key] = min(values)
         elif key == "actor/ratio_max":
-            out[key] = max(values)
+            merged[key] = max(values)
         elif key == "actor/skipped_steps":
-            out[key] = max(values)
+            merged[key] = sum(values)
         elif key == "actor/grad_norm":
-            out[key] = values[0]
-        elif key in ("actor/pg_loss", "actor/ref_kl"):
-            out[key] = sum(v * share for v, (_, _, share) in zip(values, parts))
+            taken = [v for v in values if math.isfinite(v)]
+            merged[key] = sum(taken) / len(taken) if taken else float("nan")
+        elif key in losses:
+            merged[key] = sum(values) / len(values)
         else:
-            out[key] = sum(v * tokens for v, (_, tokens, _) in zip(values, parts)) / total
-    return out
-
-
-def learner_class(cfg: Config) -> type[GroupLearner]:
-    """The class of one training-group process for `trainer.strategy`: `GroupLearner` (FSDP2)
-    or `mmrl.distributed.deepspeed_group.DeepSpeedLearner` (DeepSpeed ZeRO)."""
-    if cfg.trainer.strategy == "deepspeed":
-        from mmrl.distributed.deepspeed_group import DeepSpeedLearner
-
-        return DeepSpeedLearner
-    return GroupLearner
+            merged[key] = sum(v * t for v, (_, t) in zip(values, per_mb)) / total
+    return merged

@@ -10,8 +10,9 @@
 - `builtin`: the built-in mini-suite from the procedural kinds.
 """
 
+from mmrl.eval.command import add_eval_arguments, run_eval_command
 from mmrl.eval.config import CurveConfig, EvalConfig
-from mmrl.eval.runner import add_eval_arguments, evaluate_suite, run_eval_command, run_suite
+from mmrl.eval.runner import evaluate_suite, run_suite
 from mmrl.eval.suite import Suite, SuiteError, Task, load_suite
 
 __all__ = [

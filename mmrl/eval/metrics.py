@@ -1027,7 +1027,3 @@ def model_judge(response: Any, reference: Any, ctx: FieldContext | None = None) 
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"the judge returned {value}, outside [0, 1]")
     return value
-
-
-# The task-specific scorers register themselves (for both scoring modes) on import.
-from mmrl.eval import task_metrics as _task_metrics  # noqa: E402,F401

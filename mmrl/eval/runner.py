@@ -30,11 +30,9 @@ scored query gets no score and is left out of the means.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import logging
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -317,7 +315,23 @@ def run_suite(
     judge: Judge | None = None,
     model_id: str | None = None,
 ) -> EvalResult:
-    """Evaluate `model` (a path, `Policy` or engine) on `suite`; write outputs if `cfg.output_dir`."""
+    """Evaluate `model` (a path, `Policy` or engine) on `suite`; write outputs if `cfg.output_dir`
+    (holding its lock: one writer at a time, as a run directory)."""
+    if not (cfg and cfg.output_dir):
+        return _run_suite(model, suite, cfg, judge, model_id)
+    from mmrl.train.rundir import RunDirLock
+
+    with RunDirLock(cfg.output_dir, "mmrl eval", option="--output"):
+        return _run_suite(model, suite, cfg, judge, model_id)
+
+
+def _run_suite(
+    model: Any,
+    suite: Suite | str | Path,
+    cfg: EvalConfig | None,
+    judge: Judge | None,
+    model_id: str | None,
+) -> EvalResult:
     from tqdm import tqdm
 
     from mmrl.rollout.hf import SamplingParams
@@ -384,6 +398,12 @@ def run_suite(
         cache.put(rec)
 
     generated = 0
+    log.info(
+        "eval: %d queries to generate, %d to score again from %s",
+        len(to_generate),
+        len(to_score),
+        RECORDS_FILE,
+    )
     engine = as_engine(model, cfg.batch_size) if to_generate else None
     params = SamplingParams(n=1, greedy=True, max_new_tokens=cfg.max_new_tokens)
     total = len(to_generate) + len(to_score)
@@ -618,171 +638,3 @@ def evaluate_suite(
             if t.score is not None:
                 metrics[f"{prefix}/task/{t.name}"] = float(t.score)
     return metrics
-
-
-# --------------------------------------------------------------------------- CLI
-
-EVAL_EPILOG = """\
-examples:
-  mmrl eval --model runs/vision_reasoning-.../final                 # the built-in mini-suite
-  mmrl eval --suite megabench_core/ --model /models/Qwen2.5-VL-3B-Instruct --max-queries 5
-  mmrl eval --suite my_suite/ --model ckpt/ --judge mypkg.judges:grade
-  mmrl eval --model ckpt/ --pass-k 8 --base base_ckpt/              # pass@1..8, checkpoint vs base
-  mmrl eval --curves runs/a runs/b --metric eval/reward             # ScaleRL fit per run
-"""
-
-
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `mmrl eval` arguments (defaults from `EvalConfig` / `CurveConfig`)."""
-    from mmrl.eval.config import CurveConfig
-
-    d, c = EvalConfig(), CurveConfig()
-    parser.add_argument(
-        "--suite", metavar="PATH", help="suite folder or file (default: the built-in mini-suite)"
-    )
-    parser.add_argument("--model", metavar="PATH", help="local Hugging Face VLM folder to evaluate")
-    parser.add_argument("--output", metavar="DIR", help="output folder (default: eval-<model name>)")
-    parser.add_argument("--max-queries", type=int, metavar="N", help="at most N queries per task")
-    parser.add_argument("--tasks", nargs="+", metavar="NAME", default=[], help="only these tasks")
-    parser.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=d.max_new_tokens,
-        help=f"response length limit (default {d.max_new_tokens})",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=d.batch_size,
-        help=f"queries per generate call (default {d.batch_size})",
-    )
-    parser.add_argument(
-        "--media-root", metavar="DIR", help="folder relative media paths are resolved against"
-    )
-    parser.add_argument(
-        "--judge", metavar="MODULE:ATTR", help="judge callable judge(prompt, response, reference) -> [0, 1]"
-    )
-    parser.add_argument(
-        "--judge-model", metavar="PATH", help="local VLM folder used as the judge of Open tasks"
-    )
-    parser.add_argument(
-        "--scoring",
-        choices=SCORING_MODES,
-        default=d.scoring,
-        help="megabench: MEGA-Bench's own scoring, quirks included, comparable to published scores "
-        "(default); corrected: mmrl's fixes of its quirks (see mmrl/eval/metrics.py), not comparable",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="discard cached results in the output folder"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--builtin-queries", type=int, default=d.builtin_queries_per_task, help="queries per built-in task"
-    )
-    parser.add_argument(
-        "--pass-k", type=int, default=0, metavar="K", help="also sample K responses per query: pass@1..K"
-    )
-    parser.add_argument(
-        "--temperature", type=float, default=d.pass_temperature, help="pass@k sampling temperature"
-    )
-    parser.add_argument("--base", metavar="PATH", help="base checkpoint for the pass@k comparison")
-    parser.add_argument(
-        "--curves",
-        nargs="+",
-        metavar="RUN_DIR",
-        help="fit ScaleRL's curve to these run directories (no model needed)",
-    )
-    parser.add_argument(
-        "--metric", default=c.metric, help=f"--curves: metrics.jsonl key (default {c.metric})"
-    )
-    parser.add_argument(
-        "--compute",
-        default=c.compute,
-        choices=["step", "samples", "tokens", "seconds"],
-        help="--curves: compute axis",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    output = args.output
-    if output is None and args.model:
-        output = f"eval-{Path(args.model).resolve().name}"
-    return EvalConfig(
-        suite=args.suite,
-        output_dir=output,
-        max_queries=args.max_queries,
-        tasks=tuple(args.tasks),
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        media_root=args.media_root,
-        judge=args.judge,
-        judge_model=args.judge_model,
-        progress=not args.no_progress,
-        overwrite=args.overwrite,
-        builtin_queries_per_task=args.builtin_queries,
-        pass_k=args.pass_k,
-        pass_temperature=args.temperature,
-        base_model=args.base,
-        scoring=args.scoring,
-    )
-
-
-def run_eval_command(args: argparse.Namespace) -> int:
-    """`mmrl eval`: 0 on success, 2 with a one-line error on bad input."""
-    try:
-        if args.curves:
-            return _curves_command(args)
-        if not args.model:
-            print("mmrl eval: error: --model is required (or --curves RUN_DIR ...)", file=sys.stderr)
-            return 2
-        cfg = config_from_args(args)
-        suite_path = cfg.suite
-        if suite_path is None:
-            from mmrl.eval.builtin import builtin_suite_path
-
-            suite_path = str(
-                builtin_suite_path(cfg.builtin_queries_per_task, cfg.builtin_seed, cfg.builtin_image_size)
-            )
-        suite = load_suite(suite_path, cfg.media_root)
-        result = run_suite(args.model, suite, cfg)
-        s = result.summary
-        print(
-            f"overall {_fmt(s['overall'])}  Core {_fmt(s['core'])} ({s['num_tasks']['core']} tasks)  "
-            f"Open {_fmt(s['open'])} ({s['num_tasks']['open']} tasks)  {s['num_queries']} queries scored, "
-            f"{result.generated} generated this run, {sum(s['skipped'].values())} skipped; results in {cfg.output_dir}"
-        )
-        if cfg.pass_k > 0:
-            from mmrl.eval.curves import pass_at_k_report
-
-            report = pass_at_k_report(
-                args.model, suite, cfg, base=cfg.base_model, out_dir=Path(cfg.output_dir)
-            )
-            for label, curve in report["curves"].items():
-                print(
-                    f"pass@k {label}: " + "  ".join(f"@{k}={100 * v:.1f}" for k, v in zip(report["k"], curve))
-                )
-        return 0
-    except (SuiteError, ValueError, FileNotFoundError, KeyError) as exc:
-        print(f"mmrl eval: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _curves_command(args: argparse.Namespace) -> int:
-    from mmrl.eval.config import CurveConfig
-    from mmrl.eval.curves import fit_run, plot_run_curves
-
-    cfg = CurveConfig(metric=args.metric, compute=args.compute)
-    out = Path(args.output or "curves")
-    out.mkdir(parents=True, exist_ok=True)
-    fits = {}
-    for run_dir in args.curves:
-        fit = fit_run(run_dir, cfg)
-        fits[str(run_dir)] = fit
-        print(
-            f"{run_dir}: asymptote A={fit['A']:.3f}  midpoint C_mid={fit['C_mid']:.4g} {cfg.compute}  "
-            f"slope B={fit['B']:.3f}  R0={fit['r0']:.3f}  rmse={fit['rmse']:.4f} ({fit['n_points']} points)"
-        )
-    (out / "curves.json").write_text(json.dumps(fits, indent=1), encoding="utf-8")
-    plot_run_curves(args.curves, out / "curves.png", cfg)
-    print(f"wrote {out / 'curves.json'} and {out / 'curves.png'}")
-    return 0

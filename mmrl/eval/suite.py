@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmrl.eval import task_metrics  # noqa: F401 - its scorers register in both metric registries
 from mmrl.eval.metrics import UNSUPPORTED, get_metric, is_judge_metric
 from mmrl.eval.parsers import PARSERS, SINGLE_FIELD_PARSERS
 

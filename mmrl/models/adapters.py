@@ -108,3 +108,84 @@ def merged_copy_for_saving(model: torch.nn.Module) -> PreTrainedModel:
     import copy
 
     return copy.deepcopy(model).merge_and_unload()
+
+
+LORA_MERGE = ("auto", "merged", "unmerged")
+
+
+def resolve_lora_merge(setting: str, device: torch.device) -> bool:
+    """Whether rollouts merge LoRA adapters into the weights (`rollout.lora_merge`): `auto` does
+    on CUDA (each adapted layer of the decode step then reads one weight instead of three)."""
+    if setting not in LORA_MERGE:
+        raise ValueError(f"rollout.lora_merge={setting!r}: choose one of {', '.join(LORA_MERGE)}")
+    return setting == "merged" or (setting == "auto" and device.type == "cuda")
+
+
+class MergedAdapters:
+    """peft's `merge_adapter()` for a rollout, undone exactly afterwards.
+
+    Merging adds scaling * B @ A into each adapted base weight in the weight's dtype; peft's
+    `unmerge_adapter()` subtracts it again, which in bfloat16 does not give the original weight
+    back (round(round(W + D) - D) != W: tested), and the frozen base weights would drift a
+    rounding step per rollout. So the adapted base weights are copied (on their device) before
+    merging and copied back after `unmerge_adapter()`: exact, at the cost of one copy of those
+    weights held during the rollout only. The copy is taken every time, so weights loaded into
+    the model between rollouts (a resume, a sync) are what is restored.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @property
+    def applies(self) -> bool:
+        """Whether the model has LoRA adapters to merge."""
+        return is_lora(self.model) and bool(self._base_weights())
+
+    def _base_weights(self) -> list[torch.Tensor]:
+        from peft.tuners.lora import LoraLayer
+
+        out = []
+        for module in self.model.modules():
+            if isinstance(module, LoraLayer):
+                base = module.get_base_layer()
+                out.extend(
+                    p for p in (getattr(base, "weight", None), getattr(base, "bias", None)) if p is not None
+                )
+        return out
+
+    @contextlib.contextmanager
+    def merged(self):
+        weights = self._base_weights()
+        with torch.no_grad():
+            saved = [w.detach().clone() for w in weights]
+            self.model.merge_adapter()
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                self.model.unmerge_adapter()  # peft's bookkeeping: the adapters count again
+                for w, original in zip(weights, saved):
+                    w.copy_(original)  # the exact weights (the subtraction rounds)
+            del saved
+
+
+@torch.no_grad()
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of the base model with `model`'s LoRA adapters merged in (W + scale * B A),
+    named as the plain model names them; no copy of the model is made (what a rollout engine
+    without adapters loads). Equal to `merged_copy_for_saving(model).state_dict()`."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = model.get_base_model()
+    deltas = {
+        f"{name}.weight": module.get_delta_weight("default")
+        for name, module in inner.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    merged = {}
+    for key, value in inner.state_dict().items():
+        if ".lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        merged[key] = value + deltas[key].to(value.dtype) if key in deltas else value
+    return merged

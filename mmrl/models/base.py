@@ -101,7 +101,11 @@ def teacher_forced_batch(policy: Policy, samples: list[Sample], targets: list[st
 
 
 def warm_up(cfg: Config) -> tuple[Policy, dict]:
-    """Supervised warm-up of a random tiny model on the task's answers (see module docs)."""
+    """Supervised warm-up of a random tiny model on the task's answers (see module docs), with a
+    progress bar (`trainer.progress`). Ctrl-C stops it (`KeyboardInterrupt`, its verifier
+    workers closed); nothing is cached, so the next run starts the warm-up again."""
+    from tqdm import tqdm
+
     wcfg = cfg.model.warmup
     torch.manual_seed(wcfg.seed)
     spec = cfg.model.tiny
@@ -113,11 +117,39 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
     model = policy.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=wcfg.lr)
     rng = np.random.default_rng(wcfg.seed)
-    order = rng.permutation(len(train))
-    cursor, streak, history = 0, 0, []
     start = time.monotonic()
-    step = 0
     router = Router(cfg.reward.num_workers, cfg.reward.time_limit_s, cfg.reward.plugins)
+    bar = tqdm(
+        total=wcfg.max_steps,
+        desc=f"warm-up of the built-in base (one-time; stops at {wcfg.target_accuracy:.0%} validation accuracy)",
+        unit="step",
+        disable=not cfg.trainer.progress,
+        dynamic_ncols=True,
+    )
+    try:
+        step, streak, history = _warm_up_steps(
+            cfg, policy, engine, optimizer, router, train, validation, rng, bar
+        )
+    finally:
+        bar.close()
+        router.close()
+    report = {
+        "steps": step,
+        "reached_target": streak >= wcfg.patience,
+        "seconds": round(time.monotonic() - start, 1),
+        "history": history,
+    }
+    model.eval()
+    return policy, report
+
+
+def _warm_up_steps(
+    cfg, policy, engine, optimizer, router, train, validation, rng, bar
+) -> tuple[int, int, list]:
+    """The warm-up's loop: answer-token NLL steps, a greedy validation every `eval_every`."""
+    wcfg, model = cfg.model.warmup, policy.model
+    order = rng.permutation(len(train))
+    cursor, streak, history, step = 0, 0, [], 0
     for step in range(1, wcfg.max_steps + 1):
         if cursor + wcfg.batch_size > len(order):
             order, cursor = rng.permutation(len(train)), 0
@@ -131,19 +163,14 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        bar.update(1)
         if step % wcfg.eval_every == 0:
             acc = evaluate(engine, router, validation, cfg.rollout.max_new_tokens)["eval/accuracy"]
             history.append({"step": step, "loss": loss.item(), "accuracy": acc})
-            log.info("warm-up step %d: loss %.3f, validation accuracy %.3f", step, loss.item(), acc)
+            level = logging.INFO if bar.disable else logging.DEBUG  # the bar shows them otherwise
+            log.log(level, "warm-up step %d: loss %.3f, validation accuracy %.3f", step, loss.item(), acc)
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.3f}")
             streak = streak + 1 if acc >= wcfg.target_accuracy else 0
             if streak >= wcfg.patience:
                 break
-    router.close()
-    report = {
-        "steps": step,
-        "reached_target": streak >= wcfg.patience,
-        "seconds": round(time.monotonic() - start, 1),
-        "history": history,
-    }
-    model.eval()
-    return policy, report
+    return step, streak, history

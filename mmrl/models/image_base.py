@@ -165,7 +165,7 @@ def warm_up_image_base(
     encoders = [pipe.text_encoder, pipe.text_encoder_2]
     params = [p for m in (transformer, *encoders) for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=w.lr, weight_decay=0.0)
-    from mmrl.train.flow_grpo import EMA
+    from mmrl.train.ema import EMA
 
     ema = EMA(params, w.ema_decay)
     sampler = FlowSampler(pipe, max_sequence_length=max_sequence_length)

@@ -4,22 +4,27 @@ not sample.
 Models load exactly as transformers loads them (`from_pretrained`): a local folder saved with
 `save_pretrained`, or a hub id (`Qwen/Qwen2.5-VL-3B-Instruct`) fetched into the standard cache
 (`HF_HOME` / `HF_HUB_CACHE`) at an optional revision. `HF_HUB_OFFLINE=1` is honoured: then only
-the cache is read, and an id that is not cached fails with a message saying so.
+the cache is read, and an id that is not cached fails with a message saying so. Otherwise the hub
+is asked once first (`mmrl.hub.ask_hub`, a short time-out): a hub that does not answer fails
+fast with an error suggesting `HF_HUB_OFFLINE=1` or a local folder, instead of transformers'
+retries file by file, unless the model is cached, which is then loaded from the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import re
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, ProcessorMixin
 
+from mmrl.hub import HUB_ID, ask_hub, hub_cache_dir, hub_offline, is_cached, unreachable_message
 from mmrl.models.families import blocked_token_ids
 from mmrl.models.precision import Precision, model_device, precision_from
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -47,10 +52,6 @@ class Policy:
         return self.precision.context()
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-"""A hub repository id: `name` or `org/name` (what is not a folder and not this is a typo'd path)."""
-
-
 class ModelNotFoundError(FileNotFoundError):
     """A model path that is neither a local model folder nor a hub id that can be loaded."""
 
@@ -74,9 +75,12 @@ def load_policy(
         source = str(local)
     elif not HUB_ID.fullmatch(source):
         raise ModelNotFoundError(f"model {source!r}: no such local folder (and not a hub id like 'org/name')")
+    cache_only = not local.is_dir() and cache_only_if_hub_silent(source, revision)
+    # Only a silent hub adds local_files_only: otherwise the arguments reach transformers as given.
+    offline = {"local_files_only": True} if cache_only else {}
     with hub_errors(source, revision):
-        processor = AutoProcessor.from_pretrained(source, revision=revision)
-        model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype, revision=revision)
+        processor = AutoProcessor.from_pretrained(source, revision=revision, **offline)
+        model = AutoModelForImageTextToText.from_pretrained(source, dtype=dtype, revision=revision, **offline)
     if getattr(processor, "chat_template", None) is None and processor.tokenizer.chat_template is None:
         raise ValueError(f"{source}: the processor has no chat template")
     if device is not None:
@@ -97,9 +101,29 @@ def load_inference_policy(
     return policy
 
 
-def hub_offline() -> bool:
-    """Whether huggingface_hub is told not to reach the hub (`HF_HUB_OFFLINE`)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+def cache_only_if_hub_silent(source: str, revision: str | None = None) -> bool:
+    """Ask the hub once about the model id `source` (not when `HF_HUB_OFFLINE=1`). True: the hub
+    did not answer but the model is cached, so load it from the cache only. Raises
+    `ModelNotFoundError` when the hub says there is no such model, or does not answer and the
+    model is not cached (the message suggests `HF_HUB_OFFLINE=1` or a local folder)."""
+    if hub_offline():
+        return False
+    answer = ask_hub(source, "model", revision)
+    at = f" at revision {revision!r}" if revision else ""
+    if answer.state == "found":
+        return False
+    if answer.state == "missing":
+        raise ModelNotFoundError(
+            f"model {source!r}{at}: no local folder of that name, and on the hub: {answer.detail}"
+        )
+    if is_cached(source, "model", revision):
+        log.warning("model %s: the hub did not answer (%s); loading the cached copy", source, answer.detail)
+        return True
+    raise ModelNotFoundError(
+        unreachable_message(
+            f"model {source!r}{at} (no local folder of that name, not in the local cache)", answer
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -121,12 +145,6 @@ def hub_errors(source: str, revision: str | None = None):
         else:
             why = f"it could not be loaded from the hub{at}: {exc}"
         raise ModelNotFoundError(f"model {source!r}: no local folder of that name, and {why}") from exc
-
-
-def hub_cache_dir() -> str:
-    from huggingface_hub import constants
-
-    return str(constants.HF_HUB_CACHE)
 
 
 def make_policy(model: PreTrainedModel, processor: ProcessorMixin) -> Policy:

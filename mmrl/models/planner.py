@@ -56,10 +56,15 @@ class PlannerSpec:
     """Shape of the built-in planner (a tiny Qwen2 causal LM)."""
 
     hidden_size: int = 64
+    """Model width."""
     num_layers: int = 2
+    """Decoder layers."""
     num_heads: int = 4
+    """Attention heads (head size = hidden_size / num_heads)."""
     num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
     intermediate_size: int = 128
+    """MLP width."""
 
 
 @dataclass

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mmrl.config import DTYPE_NAMES
+
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The dtype names config fields accept (besides `auto`)."""
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}
+"""The dtype names config fields accept (besides `auto`), as torch dtypes."""
 
 
 def resolve_device(spec: str = "auto") -> torch.device:

@@ -9,8 +9,6 @@ becomes (64/8/2)^2 = 16 image tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import (
     PreTrainedModel,
@@ -24,55 +22,18 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
+from mmrl.models.tiny_spec import QWEN_ARCHITECTURES, TINY_ARCHITECTURES, TinyVLMSpec
 from mmrl.models.tokenizer import build_byte_tokenizer
-
-
-@dataclass
-class TinyVLMSpec:
-    """Shape of a tiny built-in VLM. Defaults: the measured ~0.5M-parameter Qwen2-VL."""
-
-    architecture: str = "qwen2_vl"
-    """`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`, `qwen3_vl_moe` (Qwen3-VL with a mixture-of-experts
-    language model: 4 experts, top-2 routing, experts half of `intermediate_size` wide), or one of
-    `mmrl.models.tiny_families.ARCHITECTURES` (`llava`, `llava_next`, `llava_onevision`,
-    `idefics3`, `smolvlm`, `gemma3`, `internvl`)."""
-    hidden_size: int = 128
-    """Text width; also the vision merger's output width."""
-    num_layers: int = 2
-    """Text decoder layers."""
-    num_heads: int = 4
-    """Text attention heads (head size = hidden_size / num_heads)."""
-    num_kv_heads: int = 2
-    """Text key/value heads (grouped-query attention)."""
-    intermediate_size: int = 256
-    """Text MLP width."""
-    vision_depth: int = 2
-    """Vision transformer blocks."""
-    vision_width: int = 64
-    """Vision transformer width."""
-    vision_heads: int = 4
-    """Vision attention heads."""
-    patch_size: int = 8
-    """Vision patch size in pixels."""
-    merge_size: int = 2
-    """Spatial merge: merge_size^2 patches become one language-model token."""
-    image_size: int = 64
-    """Images are resized so both sides are this many pixels (fixed token count per image)."""
-
 
 TINY_MOE_EXPERTS = 4
 """Experts per MoE layer of the tiny `qwen3_vl_moe` (every text layer is sparse)."""
 TINY_MOE_TOP_K = 2
 """Experts each token is routed to in the tiny `qwen3_vl_moe`."""
 
-QWEN_ARCHITECTURES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
-
 
 def architectures() -> tuple[str, ...]:
     """Every `TinyVLMSpec.architecture` that can be built."""
-    from mmrl.models.tiny_families import ARCHITECTURES
-
-    return QWEN_ARCHITECTURES + ARCHITECTURES
+    return TINY_ARCHITECTURES
 
 
 def _check(spec: TinyVLMSpec) -> None:
@@ -215,13 +176,15 @@ def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
 def _build_family_vlm(spec: TinyVLMSpec, seed: int) -> PreTrainedModel:
     from transformers import AutoModelForImageTextToText
 
-    from mmrl.models.tiny_families import family_config, family_tokenizer
+    from mmrl.models.tiny_families import draw_zero_initialised, family_config, family_tokenizer
 
     tokenizer = family_tokenizer(spec.architecture)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     config = family_config(spec)
     torch.manual_seed(seed)
-    return _with_generation_ids(AutoModelForImageTextToText.from_config(config), ids)
+    model = AutoModelForImageTextToText.from_config(config)
+    draw_zero_initialised(model, spec)  # a random model must see its images (Gemma 3's connector)
+    return _with_generation_ids(model, ids)
 
 
 def _with_generation_ids(model: PreTrainedModel, ids: dict[str, int]) -> PreTrainedModel:

@@ -17,12 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import PreTrainedConfig, PreTrainedTokenizerFast, ProcessorMixin
 
 from mmrl.models.tokenizer import build_byte_tokenizer, chat_template
 
 if TYPE_CHECKING:
-    from mmrl.models.tiny import TinyVLMSpec
+    from mmrl.models.tiny_spec import TinyVLMSpec
 
 # What each family adds to the byte tokenizer: tokens, named tokenizer attributes (read by its
 # processor), and the placeholder its chat template writes for an image.
@@ -101,6 +102,21 @@ def family_config(spec: TinyVLMSpec) -> PreTrainedConfig:
         image_size=spec.image_size,
     )
     return _CONFIGS[spec.architecture](spec, text, vision, ids)
+
+
+def draw_zero_initialised(model: torch.nn.Module, spec: TinyVLMSpec) -> None:
+    """Draw the weights a family's own initialisation leaves at zero where that makes a random
+    model blind to images. Gemma 3's connector projects the pooled vision features with
+    `mm_input_projection_weight`, which transformers initialises to zeros (a real checkpoint
+    loads trained values over it): every image token's embedding is then 0 whatever the pixels.
+    It is drawn like the other linear weights, N(0, initializer_range^2), from the global RNG the
+    builder seeded. (`mm_soft_emb_norm.weight` is zero too, but Gemma's RMSNorm scales by
+    1 + weight: zero is its identity, not a blind spot.)"""
+    if spec.architecture == "gemma3":
+        projector = model.model.multi_modal_projector
+        std = model.config.text_config.initializer_range
+        with torch.no_grad():
+            projector.mm_input_projection_weight.normal_(0.0, std)
 
 
 def _tile(spec: TinyVLMSpec) -> int:

@@ -9,11 +9,20 @@ itself (`mmrl.models.families.shares_prompts`), each distinct prompt is prefille
 its key/value cache indexed out to its G rows, and the responses are decoded by a plain sampling
 loop over the tempered, blocked softmax (the distribution whose log-probs are recorded). Other
 models, and single-response calls (greedy evaluation), go through Hugging Face `generate`.
+
+The decode steps of that loop (`mmrl.rollout.decode`, `rollout.decode`) run eagerly over the
+prefill's dynamic cache (the CPU default) or over a static cache of fixed shapes, captured once
+per batch-size bucket as a CUDA graph and replayed (the CUDA default); rows that have finished
+are compacted out of the running batch. With LoRA, the adapters can be merged into the weights
+for the rollout (`rollout.lora_merge`, `mmrl.models.adapters.MergedAdapters`) and the weights
+restored exactly afterwards; the trainer scores with the adapters unmerged, and the difference
+shows in the `rollout/` mismatch metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -22,9 +31,12 @@ from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, 
 from transformers.generation.streamers import BaseStreamer
 
 from mmrl.algos.logprobs import masked_logits, token_logprobs
+from mmrl.config import RolloutConfig
+from mmrl.models.adapters import MergedAdapters, resolve_lora_merge
 from mmrl.models.families import vision_layout
 from mmrl.models.loading import Policy
 from mmrl.models.precision import model_device
+from mmrl.rollout import decode as dec
 from mmrl.types import RolloutBatch, Sample
 
 
@@ -93,7 +105,7 @@ class HFRolloutEngine:
     """Generates G responses per prompt with `model.generate`, recording per-token log-probs.
 
     Runs on the policy's device, in its precision (`Policy.autocast`); returns batches on that
-    device."""
+    device. `decode` and `lora_merge` are `rollout.decode` and `rollout.lora_merge`."""
 
     def __init__(
         self,
@@ -104,6 +116,8 @@ class HFRolloutEngine:
         pad_token_id: int,
         max_batch_rows: int = 256,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        decode: str = "eager",
+        lora_merge: str = "unmerged",
     ):
         self.model = model
         self.processor = processor
@@ -112,17 +126,36 @@ class HFRolloutEngine:
         self.pad_token_id = pad_token_id
         self.max_batch_rows = max_batch_rows
         self.autocast = autocast
+        self.decode = decode
+        self.lora_merge = lora_merge
+        dec.resolve_decode(decode, self.device)  # (validates the setting)
+        resolve_lora_merge(lora_merge, self.device)  # (validates the setting)
+        self.capture = dec.cuda_graph_capture
+        """How the captured form captures a step (a stand-in replaces it in CPU tests)."""
+        self._workspace: dec.DecodeWorkspace | None = None
+        self._cast: dec.CastWeights | None = None
+        self._fingerprint: tuple[int, ...] = ()
+        self._merged = MergedAdapters(model)
+        self._metrics: dict[str, float] = {}
+        self._decode_stats = {"calls": 0, "seconds": 0.0, "kv_bytes": 0.0}
 
     @classmethod
-    def from_policy(cls, policy: Policy, max_batch_rows: int = 256) -> HFRolloutEngine:
+    def from_policy(
+        cls, policy: Policy, max_batch_rows: int | None = None, rollout: RolloutConfig | None = None
+    ) -> HFRolloutEngine:
+        """An engine on the policy's own module; `rollout` (default: the config's defaults) gives
+        `max_batch_rows` (unless passed), `decode` and `lora_merge`."""
+        r = rollout if rollout is not None else RolloutConfig()
         return cls(
             policy.model,
             policy.processor,
             policy.blocked,
             policy.stop_token_ids,
             policy.pad_token_id,
-            max_batch_rows=max_batch_rows,
+            max_batch_rows=max_batch_rows or r.max_batch_rows,
             autocast=policy.autocast,
+            decode=r.decode,
+            lora_merge=r.lora_merge,
         )
 
     @property
@@ -130,16 +163,34 @@ class HFRolloutEngine:
         """Where the model is now (a judge model may be moved between devices)."""
         return model_device(self.model)
 
-    # The engine shares the trainer's module: nothing to sync, nothing to offload.
+    # The engine shares the trainer's module: nothing to sync. (`load_state_dict` copies in
+    # place, so a captured decode step stays valid.)
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         if state_dict is not None:
             self.model.load_state_dict(state_dict, strict=False)
 
     def sleep(self) -> None:
-        pass
+        """Free what the static decode step keeps between batches (its cache buffers, graphs
+        and weight copies); the next batch rebuilds them."""
+        self._workspace, self._cast, self._fingerprint = None, None, ()
 
     def wake(self) -> None:
         pass
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """Facts about the last `generate` for the step's metrics: `rollout/lora_merged` (1: sampled
+        with the adapters merged into the weights, so the `rollout/` mismatch metrics include
+        the merge's rounding), `rollout/decode_captured` (1: captured static steps),
+        `rollout/compactions` (times finished rows were compacted out), and for the decode loop
+        (shared-prompt sampling) `time/decode_step_ms` (wall time per decode step, sampling
+        included) and `rollout/decode_kv_mb` (the live key/value cache a step attends to, mean:
+        running rows x their positions; with `decode_step_ms`, what the memory bound is taken of)."""
+        out = dict(self._metrics)
+        stats = self._decode_stats
+        if stats["calls"]:
+            out["time/decode_step_ms"] = 1000 * stats["seconds"] / stats["calls"]
+            out["rollout/decode_kv_mb"] = stats["kv_bytes"] / stats["calls"] / 2**20
+        return out
 
     @torch.no_grad()
     def generate(
@@ -163,21 +214,25 @@ class HFRolloutEngine:
         units = samples if shared else [s for s in samples for _ in range(params.n)]
         per_unit = params.n if shared else 1
         step = max(1, self.max_batch_rows // per_unit)
+        merge = resolve_lora_merge(self.lora_merge, self.device) and self._merged.applies
+        self._metrics = {"rollout/lora_merged": float(merge), "rollout/compactions": 0.0}
+        self._decode_stats = {"calls": 0, "seconds": 0.0, "kv_bytes": 0.0}
         chunks = []
-        for start in range(0, len(units), step):
-            streamer = None
-            if on_response is not None:
-                streamer = _FinishedRows(
-                    self.processor.tokenizer,
-                    self.stop_token_ids,
-                    lambda i, t, o=start * per_unit: on_response(o + i, t),
-                )
-            part = units[start : start + step]
-            with self.autocast():
-                if shared:
-                    chunks.append(self._sample_shared(part, params, streamer))
-                else:
-                    chunks.append(self._generate_rows(part, params, streamer))
+        with self._merged.merged() if merge else contextlib.nullcontext():
+            for start in range(0, len(units), step):
+                streamer = None
+                if on_response is not None:
+                    streamer = _FinishedRows(
+                        self.processor.tokenizer,
+                        self.stop_token_ids,
+                        lambda i, t, o=start * per_unit: on_response(o + i, t),
+                    )
+                part = units[start : start + step]
+                with self.autocast():
+                    if shared:
+                        chunks.append(self._sample_shared(part, params, streamer))
+                    else:
+                        chunks.append(self._generate_rows(part, params, streamer))
         batch = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks, self.pad_token_id)
         batch.group_size = params.n
         return batch
@@ -238,12 +293,13 @@ class HFRolloutEngine:
     ) -> RolloutBatch:
         """G = params.n responses per sample, each prompt prefilled once (see the module docs).
 
-        Decoding feeds one token per row per step with the cache; rows that have sampled a stop
-        token are fed padding (masked out afterwards), as `generate` does.
+        Decoding feeds one token per running row per step (`mmrl.rollout.decode`); rows that
+        have sampled a stop token are fed padding (masked out afterwards), as `generate` does,
+        until they are compacted out.
         """
         from mmrl.models.families import family_of
         from mmrl.train.batching import select_rows
-        from mmrl.train.forward import cache_argument, output_cache
+        from mmrl.train.forward import output_cache
 
         G, model = params.n, self.model
         inputs = encode_prompts(self.processor, samples, self.device)
@@ -251,64 +307,166 @@ class HFRolloutEngine:
         rows = [i for i in range(len(samples)) for _ in range(G)]
         index = torch.tensor(rows, dtype=torch.long, device=inputs["input_ids"].device)
         positions = family_of(model).position_ids(model, inputs)  # [B, P] ([3, B, P] for mrope)
-        blocked = self.blocked
-        stop = torch.tensor(self.stop_token_ids, device=index.device)
+        form = self._decode_form()
         was_training = model.training
         model.eval()
         try:
-            out = model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1)
-            cache = output_cache(out)
-            cache.reorder_cache(index)  # [B] -> [B x G] rows
-            logits = out.logits[:, -1][index]  # [N, V]
-            next_position = positions[..., -1:].index_select(-2, index) + 1  # [N, 1]: text continues by 1
-            attention_mask = inputs["attention_mask"][index]
-            if streamer is not None:
-                streamer.put(inputs["input_ids"][index].cpu())
-            finished = torch.zeros(len(rows), dtype=torch.bool, device=index.device)
-            tokens, logprobs = [], []
-            for t in range(params.max_new_tokens):
-                scores = masked_logits(
-                    logits, blocked[: logits.shape[-1]], 1.0 if params.greedy else params.temperature
-                )
-                if params.greedy:
-                    token = scores.argmax(dim=-1)
-                else:
-                    token = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
-                    logprobs.append(token_logprobs(scores, token))
-                token = token.masked_fill(finished, self.pad_token_id)
-                tokens.append(token)
+            with self._weights_for(form):
+                out = model(**inputs, position_ids=positions, use_cache=True, logits_to_keep=1)
+                logits = out.logits[:, -1][index]  # [N, V]
+                next_position = positions[..., -1:].index_select(-2, index) + 1  # [N, 1]: text continues by 1
                 if streamer is not None:
-                    streamer.put(token.cpu())
-                finished |= torch.isin(token, stop)
-                if bool(finished.all()) or t == params.max_new_tokens - 1:
-                    break
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-                out = model(
-                    input_ids=token[:, None],
-                    attention_mask=attention_mask,
-                    position_ids=next_position,
-                    use_cache=True,
-                    **{cache_argument(model): cache},
-                )
+                    streamer.put(inputs["input_ids"][index].cpu())
                 cache = output_cache(out)
-                logits = out.logits[:, -1]
-                next_position = next_position + 1
+                per_position = kv_bytes_per_position(cache)
+                steps = self._decode_steps(form, cache, index, inputs["attention_mask"], next_position,
+                                           params.max_new_tokens)  # fmt: skip
+                del out, cache
+                response, logprobs = self._decode(
+                    steps, logits, params, streamer, positions.shape[-1], per_position
+                )
+                if getattr(steps, "capture_failed", None):  # said once, as a warning; not tried again
+                    self.decode = "static"
+                    self._metrics["rollout/decode_captured"] = 0.0
             if streamer is not None:
                 streamer.end()
         finally:
             model.train(was_training)
         batch = select_rows(prompts, rows)
-        response = torch.stack(tokens, dim=1)
         response_mask, truncated = response_mask_from_stops(response, self.stop_token_ids)
         batch.response_ids = response.masked_fill(response_mask == 0, self.pad_token_id)
         batch.response_mask = response_mask
         batch.truncated = truncated
-        if params.greedy:
-            batch.rollout_logprobs = torch.zeros(response.shape, dtype=torch.float32, device=response.device)
-        else:
-            batch.rollout_logprobs = torch.stack(logprobs, dim=1).masked_fill(response_mask == 0, 0.0)
+        batch.rollout_logprobs = logprobs.masked_fill(response_mask == 0, 0.0)
         batch.texts = self.processor.batch_decode(batch.response_ids, skip_special_tokens=True)
         return batch
+
+    def _decode(
+        self,
+        steps,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        streamer: BaseStreamer | None,
+        prompt_len: int,
+        kv_per_position: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling loop: response ids [N, R] and their log-probs [N, R] (0 when greedy), R
+        the steps run. `steps` holds the running rows' slots; `running[slot]` is the slot's row.
+
+        The noise of the exponential race is drawn for all N rows at every step, so that what a
+        row samples does not depend on which rows are still running (or on the decode form)."""
+        N, V = logits.shape
+        device = logits.device
+        blocked = self.blocked[:V]
+        temperature = 1.0 if params.greedy else params.temperature
+        stop = torch.tensor(self.stop_token_ids, device=device)
+        R = params.max_new_tokens
+        response = torch.full((N, R), self.pad_token_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((N, R), dtype=torch.float32, device=device)
+        finished = torch.zeros(N, dtype=torch.bool, device=device)
+        running = torch.arange(N, device=device)
+        steps_run, calls, kv_positions, start = R, 0, 0, time.perf_counter()
+        for t in range(R):
+            scores = masked_logits(logits, blocked, temperature)  # [n, V]
+            if params.greedy:
+                token = scores.argmax(dim=-1)
+            else:
+                noise = torch.empty((N, V), dtype=torch.float32, device=device).exponential_()
+                token = dec.exponential_race(torch.softmax(scores, dim=-1), noise[running])
+                logprobs[running, t] = token_logprobs(scores, token)
+            token = token.masked_fill(finished[running], self.pad_token_id)
+            response[running, t] = token
+            if streamer is not None:
+                streamer.put(response[:, t].cpu())
+            finished[running] |= torch.isin(token, stop)
+            alive = ~finished[running]
+            live = int(alive.sum())
+            if live == 0 or t == R - 1:
+                steps_run = t + 1
+                break
+            if steps.wants(live):
+                slots = alive.nonzero().squeeze(1)
+                steps.keep(slots)
+                running, token = running[slots], token[slots]
+                self._metrics["rollout/compactions"] = self._metrics.get("rollout/compactions", 0.0) + 1
+            logits = steps.step(token)
+            calls += 1
+            kv_positions += live * (prompt_len + t + 1)  # the running rows attend to so many positions
+        stats = self._decode_stats
+        stats["calls"] += calls
+        stats["seconds"] += time.perf_counter() - start  # (the loop waits for the device every step)
+        stats["kv_bytes"] += kv_positions * kv_per_position
+        return response[:, :steps_run], logprobs[:, :steps_run]
+
+    # -- decode forms (mmrl.rollout.decode) -------------------------------------------------------
+
+    def _decode_form(self) -> str:
+        """`eager`, `static` or `captured` for this batch (`rollout.decode` on the model's
+        device; a model the static step does not fit runs eagerly, said once)."""
+        form = dec.resolve_decode(self.decode, self.device)
+        if form == "captured" and self.device.type != "cuda" and self.capture is dec.cuda_graph_capture:
+            raise ValueError(f"rollout.decode=captured needs a CUDA device; the policy is on {self.device}")
+        if form != "eager":
+            why = dec.static_unsupported(self.model)
+            if why is not None:
+                dec._say_once(f"rollout.decode={self.decode}: decoding eagerly instead, {why}")
+                return "eager"
+        self._metrics["rollout/decode_captured"] = float(form == "captured")
+        return form
+
+    @contextlib.contextmanager
+    def _weights_for(self, form: str):
+        """The captured form needs fixed weight addresses: drop what was captured if the weights
+        moved, and under autocast swap in persistent compute-dtype copies of float32 linear
+        weights (`decode.CastWeights`) for the batch."""
+        if form != "captured":
+            yield
+            return
+        fingerprint = dec.weights_fingerprint(self.model)
+        if fingerprint != self._fingerprint:
+            self.sleep()
+            self._fingerprint = fingerprint
+        device_type = self.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            if self._cast is None or self._cast.dtype != dtype:
+                self._cast = dec.CastWeights(self.model, dtype)
+            with self._cast.swapped():
+                yield
+        else:
+            yield
+
+    def _decode_steps(
+        self,
+        form: str,
+        cache,
+        index: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        position: torch.Tensor,
+        max_new_tokens: int,
+    ):
+        """The decode steps of the chosen form for the N = len(index) rows."""
+        buckets = dec.decode_buckets(max(self.max_batch_rows, index.shape[0]))
+        if form == "eager":
+            cache.reorder_cache(index)  # [B] -> [B x G] rows
+            return dec.EagerSteps(self.model, cache, prompt_mask[index], position, buckets)
+        length = prompt_mask.shape[1] + max_new_tokens
+        rows = dec.bucket_for(index.shape[0], buckets)
+        ws = self._workspace
+        if ws is None or not ws.fits(rows, length, cache, self.device):
+            self._workspace = None  # (its buffers go before the new ones are allocated)
+            length = -(-length // _CACHE_LENGTH_STEP) * _CACHE_LENGTH_STEP
+            ws = dec.DecodeWorkspace.allocate(cache, rows, length, self.device)
+            if form == "captured" and self.device.type == "cuda":
+                ws.pool = torch.cuda.graph_pool_handle()
+            self._workspace = ws
+        capture = self.capture if form == "captured" else None
+        return dec.StaticSteps(self.model, ws, cache, index, prompt_mask, position, buckets, capture)
+
+
+_CACHE_LENGTH_STEP = 128
+"""The static cache's length is the batch's prompt + response length rounded up to this, so
+batches whose prompts differ a little reuse one workspace (and its captured graphs)."""
 
 
 class _FinishedRows(BaseStreamer):
@@ -346,6 +504,15 @@ class _FinishedRows(BaseStreamer):
     def _finish(self, i: int) -> None:
         self.done[i] = True
         self.on_finished(i, self.tokenizer.decode(self.tokens[i], skip_special_tokens=True))
+
+
+def kv_bytes_per_position(cache) -> int:
+    """Bytes one row's key/value cache holds per position, over all layers."""
+    return sum(
+        layer.keys[0, :, 0].numel() * layer.keys.element_size()
+        + layer.values[0, :, 0].numel() * layer.values.element_size()
+        for layer in cache.layers
+    )
 
 
 def encode_prompts(

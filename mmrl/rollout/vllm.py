@@ -11,8 +11,9 @@ without vLLM):
 
     model          the policy's folder or hub id at `model.revision`, in `model.dtype` (`auto`:
                    what mmrl's auto is on a GPU), `rollout.vllm_tensor_parallel_size` GPUs
-    prompts        `vllm_prompts`: the policy processor's chat template, exactly the text the HF
-                   engine feeds, with the sample's PIL images as `multi_modal_data`
+    prompts        `vllm_prompts`: `TokensPrompt`s of the policy processor's chat template (the
+                   text the HF engine feeds, tokenized, one placeholder per image), with the
+                   sample's PIL images as `multi_modal_data`
     sampling       `vllm_sampling_kwargs`: n, temperature, max tokens, the sampled token's
                    log-prob (`logprobs=0`), the policy's stop ids, and the blocked ids left out
                    (`allowed_token_ids`); the engine is built with
@@ -28,12 +29,18 @@ without vLLM):
                    token: the same tensors the HF engine returns for the same tokens
     weight sync    `weights_to_sync`: full weights (HF names, which vLLM's loaders map), LoRA
                    adapters merged into full weights, or the adapters alone (served as a
-                   `LoRARequest`); full weights go to every vLLM worker (each tensor-parallel
-                   rank) by `collective_rpc("mmrl_load_weights", ...)`, a method of mmrl's
-                   worker extension (`mmrl.rollout.vllm_worker`, vLLM's `worker_extension_cls`)
-                   called by name with CPU tensors in the engine's dtype, in buckets of
-                   `SYNC_BUCKET_BYTES` (no pickled code: vLLM V1 needs no
-                   VLLM_ALLOW_INSECURE_SERIALIZATION)
+                   `LoRARequest`, `max_lora_rank` rounded up to a rank vLLM builds). No weight
+                   tensor ever goes through vLLM's RPC (its V1 engine core decodes RPC
+                   arguments untyped: a tensor arrives as a list). `rollout.vllm_weight_sync`:
+                   `inprocess` builds the engine in this process (V1 multiprocessing off, the
+                   `external_launcher` executor, as TRL's colocate mode) and loads the weights
+                   straight into its model; `nccl` (a separate engine, tensor parallelism)
+                   sends only names, dtypes and shapes by `collective_rpc` to mmrl's worker
+                   extension (`mmrl.rollout.vllm_worker`) and broadcasts the data over a NCCL
+                   group from this process's GPU, as vLLM's RLHF example, veRL and OpenRLHF do.
+                   Either way in buckets of `SYNC_BUCKET_BYTES`, in the engine's dtype; after
+                   every sync the prefix cache and the encoder cache (image features computed
+                   with the old weights) are reset
     memory         with `rollout.vllm_sleep_level` > 0 the engine sleeps after each batch
                    (weights offloaded or dropped, KV cache freed) so training can use the GPU,
                    wakes its weights alone to load new ones, and wakes fully to generate; after
@@ -42,15 +49,20 @@ without vLLM):
                    asynchronous mode): sleeping there only costs time
 
 What is not tested here: anything that runs vLLM itself (our machines have no GPU); the tests
-drive this module against a stand-in `vllm` module shaped like vLLM's API.
+drive this module against a stand-in `vllm` module shaped like vLLM's API, whose RPC
+round-trips every message through msgpack as vLLM's engine core decodes it.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
+import os
 import shutil
+import socket
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,8 +75,10 @@ from transformers import ProcessorMixin
 from mmrl.models.loading import HUB_ID, Policy
 from mmrl.models.precision import DTYPES, resolve_dtype
 from mmrl.rollout.hf import SamplingParams, encode_prompts, prompt_batch, response_mask_from_stops
-from mmrl.rollout.vllm_worker import EXTENSION
+from mmrl.rollout.vllm_worker import EXTENSION, device_uuid
 from mmrl.types import RolloutBatch, Sample
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = "the vLLM rollout engine needs vLLM and a GPU: pip install 'mmrl[vllm]'"
 MIN_VLLM = "0.10.2"
@@ -72,8 +86,11 @@ MIN_VLLM = "0.10.2"
 SYNC_BUCKET_BYTES = 512 * 2**20
 """A weight sync sends the weights in messages of about this many bytes (at least one tensor
 each): the host holds one bucket at a time, not a copy of the model."""
-LOAD_METHOD = "mmrl_load_weights"
-"""The worker-extension method (`mmrl.rollout.vllm_worker`) a sync calls by name."""
+RECEIVE_METHOD = "mmrl_receive_weights"
+"""The worker-extension method (`mmrl.rollout.vllm_worker`) an NCCL sync calls by name."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM builds its LoRA buffers for (any other fails at start)."""
+WEIGHT_SYNCS = ("auto", "inprocess", "nccl")
 
 
 def import_vllm():
@@ -98,10 +115,12 @@ def prompt_text(processor: ProcessorMixin, sample: Sample) -> str:
 def vllm_prompts(
     processor: ProcessorMixin, samples: Sequence[Sample], max_images: int
 ) -> list[dict[str, Any]]:
-    """vLLM prompt dicts: `{"prompt": text, "multi_modal_data": {"image": [PIL, ...]}}`.
+    """The fields of vLLM `TokensPrompt`s: `{"prompt_token_ids": ids, "multi_modal_data":
+    {"image": [PIL, ...]}}` (the engine wraps each in `vllm.inputs.TokensPrompt`).
 
-    The text keeps the processor's image placeholders (one per image); vLLM's multimodal
-    processor expands each to the image's tokens, as the HF processor does.
+    The ids are the templated text as the processor's tokenizer reads it before it expands the
+    image placeholders (one per image); vLLM's multimodal processor expands each to the image's
+    tokens, as the HF processor does (`check_prompt_ids` verifies the expanded ids).
     """
     prompts = []
     for s in samples:
@@ -110,7 +129,8 @@ def vllm_prompts(
                 f"sample {s.id!r} has {len(s.images)} images; the vLLM engine was built for at most "
                 f"{max_images} per prompt (VLLMRolloutEngine(max_images=...))"
             )
-        prompt: dict[str, Any] = {"prompt": prompt_text(processor, s)}
+        ids = processor.tokenizer(prompt_text(processor, s))["input_ids"]
+        prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
         if s.images:
             prompt["multi_modal_data"] = {"image": s.pil_images()}
         prompts.append(prompt)
@@ -402,6 +422,91 @@ def check_state_keys(state_dict: dict[str, torch.Tensor], expected: set[str]) ->
         )
 
 
+def vllm_lora_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for an adapter of rank `rank`: the smallest value vLLM accepts
+    that holds it (a capacity bound, so a rank-4 adapter is served exactly under 8), logged
+    when it differs. Above 512 vLLM serves no adapter: an error naming model.lora_rank."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            if allowed != rank:
+                log.info(
+                    "vLLM max_lora_rank %d for LoRA rank %d (vLLM accepts %s)", allowed, rank, VLLM_LORA_RANKS
+                )
+            return allowed
+    raise ValueError(
+        f"LoRA rank {rank} (model.lora_rank) is above 512, the largest max_lora_rank vLLM accepts: "
+        "serve it merged (rollout.engine=hf, or a merged sync) or lower the rank"
+    )
+
+
+def weight_sync_mode(setting: str, tensor_parallel_size: int) -> str:
+    """`inprocess` or `nccl` for `rollout.vllm_weight_sync` (auto: inprocess with one GPU per
+    engine; tensor parallelism needs worker processes, hence nccl)."""
+    if setting not in WEIGHT_SYNCS:
+        raise ValueError(f"rollout.vllm_weight_sync={setting!r}: choose one of {', '.join(WEIGHT_SYNCS)}")
+    if setting == "auto":
+        return "inprocess" if tensor_parallel_size == 1 else "nccl"
+    if setting == "inprocess" and tensor_parallel_size > 1:
+        raise ValueError(
+            "rollout.vllm_weight_sync=inprocess runs the engine in this process, one GPU; with "
+            f"rollout.vllm_tensor_parallel_size={tensor_parallel_size} use nccl"
+        )
+    return setting
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def plain(payload: Any, where: str = "the message") -> None:
+    """Raise TypeError unless `payload` is made of str, int, float, bool, None, lists and dicts
+    with str keys: what crosses vLLM's RPC unchanged (its engine core decodes msgpack untyped,
+    so a tensor arrives as a `[dtype, shape, buffer]` list and a tuple as a list)."""
+    if isinstance(payload, _PLAIN):
+        return
+    if isinstance(payload, list):
+        for i, item in enumerate(payload):
+            plain(item, f"{where}[{i}]")
+        return
+    if isinstance(payload, dict):
+        for key, item in payload.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where} has a {type(key).__name__} key {key!r}; RPC messages take str keys")
+            plain(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(payload).__name__}; vLLM's RPC decodes messages untyped, so only str, int, "
+        "float, bool, None, lists and dicts arrive unchanged (weights go in-process or over NCCL)"
+    )
+
+
+def sync_message(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, list]:
+    """What an NCCL sync tells the workers of a bucket: names, dtypes and shapes, in the order the
+    tensors are broadcast."""
+    return {
+        "names": [name for name, _ in bucket],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+    }
+
+
+def inprocess_environment(device_index: int) -> dict[str, str]:
+    """The environment an in-process engine needs: V1 multiprocessing off (the engine core in
+    this process), and the torch.distributed variables vLLM's `external_launcher` executor reads
+    (a one-process world unless the process is in one already)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", str(device_index)), ("WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1")):  # fmt: skip
+        env[key] = os.environ.get(key, value)
+    env["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def vllm_dtype(spec: str) -> str:
     """vLLM's `dtype` for `model.dtype`: the named dtype; `auto` is what mmrl's `auto` gives on
     a GPU (bfloat16 where supported; vLLM's own `auto` would run a float32 checkpoint in
@@ -427,6 +532,7 @@ def llm_kwargs(
     dtype: str = "bfloat16",
     revision: str | None = None,
     tensor_parallel_size: int = 1,
+    weight_sync: str = "inprocess",
     **overrides: Any,
 ) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` (`overrides` last: max_model_len, enforce_eager...)."""
@@ -444,26 +550,33 @@ def llm_kwargs(
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": EXTENSION,
     }
+    if weight_sync == "inprocess":
+        kw["distributed_executor_backend"] = "external_launcher"
     if mode == "adapter" and lora is not None:
-        kw.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
+        kw.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora.rank), max_loras=1)
     kw.update(overrides)
     return kw
 
 
 def weight_buckets(
-    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, max_bytes: int = SYNC_BUCKET_BYTES
+    weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    max_bytes: int = SYNC_BUCKET_BYTES,
+    device: torch.device | str | None = "cpu",
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """`(name, tensor)` pairs as host tensors in vLLM's dtype (floating-point ones cast, on their
-    own device first, so a GPU policy copies half the bytes of float32 master weights), grouped
-    into lists of at most `max_bytes` (a larger tensor goes alone). One bucket is materialised
-    at a time."""
+    """`(name, tensor)` pairs in vLLM's dtype (floating-point ones cast, on their own device
+    first, so a GPU policy copies half the bytes of float32 master weights), on `device` (None:
+    where they are), grouped into lists of at most `max_bytes` (a larger tensor goes alone).
+    One bucket is materialised at a time."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in weights:
         tensor = tensor.detach()
         if tensor.is_floating_point() and tensor.dtype != dtype:
             tensor = tensor.to(dtype)
-        tensor = tensor.to("cpu").contiguous()
+        if device is not None:
+            tensor = tensor.to(device)
+        tensor = tensor.contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > max_bytes:
             yield bucket
@@ -501,6 +614,7 @@ class VLLMRolloutEngine:
         dtype: str = "auto",
         revision: str | None = None,
         tensor_parallel_size: int = 1,
+        weight_sync: str = "auto",
         **overrides: Any,
     ):
         vllm = import_vllm()
@@ -533,11 +647,15 @@ class VLLMRolloutEngine:
         self._asleep: set[str] = set()  # the sleeping parts: "weights", "kv_cache"
         self._weights_lost = False  # level 2 discarded the weights; the last sync is sent again
         self._last_sync: list[list[tuple[str, torch.Tensor]]] | None = None
+        self.weight_sync = weight_sync_mode(weight_sync, tensor_parallel_size)
         kwargs = llm_kwargs(
             model_path, gpu_memory_utilization, sleep_level, max_images, seed, lora, self.mode,
             dtype=self.dtype_name, revision=revision, tensor_parallel_size=tensor_parallel_size,
-            **overrides,
+            weight_sync=self.weight_sync, **overrides,
         )  # fmt: skip
+        if self.weight_sync == "inprocess":
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            os.environ.update(inprocess_environment(index))
         try:
             self.llm = vllm.LLM(**kwargs)
         except TypeError as exc:
@@ -547,6 +665,20 @@ class VLLMRolloutEngine:
                     f"tempered distribution; worker_extension_cls: weight sync): pip install -U 'mmrl[vllm]'"
                 ) from exc
             raise
+        self._reset_encoder_cache = self._find("reset_encoder_cache")
+        self._group = None  # the NCCL weight-sync group (nccl sync), made on the first sync
+        self._sender: torch.device | None = None
+
+    def _find(self, method: str) -> Any:
+        """`LLM.<method>`, or its engine's (vLLM versions differ); an error naming the method."""
+        for owner in (self.llm, getattr(self.llm, "llm_engine", None)):
+            found = getattr(owner, method, None)
+            if callable(found):
+                return found
+        raise ImportError(
+            f"this vLLM has no LLM.{method} (mmrl calls it after every weight sync: cached image "
+            "features of the old weights would be reused): pip install -U 'mmrl[vllm]'"
+        )
 
     @classmethod
     def from_policy(cls, policy: Policy, cfg: Any = None, **overrides: Any) -> VLLMRolloutEngine:
@@ -585,6 +717,7 @@ class VLLMRolloutEngine:
             dtype=cfg.model.dtype,
             revision=cfg.model.revision,
             tensor_parallel_size=r.vllm_tensor_parallel_size,
+            weight_sync=r.vllm_weight_sync,
             **overrides,
         )
 
@@ -620,7 +753,8 @@ class VLLMRolloutEngine:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Make vLLM's weights the trainer's (after each update). While asleep, only the weights
-        wake (the KV cache stays free until the next batch)."""
+        wake (the KV cache stays free until the next batch). The prefix and encoder caches are
+        reset after every sync: they hold keys, values and image features of the old weights."""
         if state_dict is None:
             return
         check_state_keys(state_dict, self.expected_keys)
@@ -631,19 +765,140 @@ class VLLMRolloutEngine:
         else:
             self.wake(["weights"])
             kept = []
-            for bucket in weight_buckets(weights.items(), self.dtype):
+            for bucket in weight_buckets(weights.items(), self.dtype, device=self._bucket_device()):
                 self._push(bucket)
                 if self.sleep_level == 2:  # host copies, to refill the weights a sleep drops
-                    kept.append(bucket)
+                    kept.append([(name, t.to("cpu", copy=True)) for name, t in bucket])
             self._weights_lost = False
             self._last_sync = kept if self.sleep_level == 2 else None
+        self._after_sync()
+
+    def _after_sync(self) -> None:
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if reset is not None:  # cached prompt prefixes hold the old weights' keys and values
             reset()
+        self._reset_encoder_cache()  # cached image features come from the old vision tower
+
+    def _bucket_device(self) -> torch.device | None:
+        """Where a bucket's tensors go: in-process, left where they are (vLLM's loaders copy from
+        any device); over NCCL, this process's GPU."""
+        if self.weight_sync == "inprocess":
+            return None
+        return self._sending_device()
 
     def _push(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """One bucket into every worker, through the worker extension's method (by name)."""
-        counts = list(self.llm.collective_rpc(LOAD_METHOD, args=(bucket,)))
+        """One bucket into the engine's model: in-process straight into it, else over NCCL to
+        every worker (each tensor-parallel rank)."""
+        if self.weight_sync == "inprocess":
+            self._local_model().load_weights(weights=bucket)
+        else:
+            self._broadcast(bucket)
+
+    # -- the in-process engine --
+
+    _MODEL_PATHS = (
+        "llm_engine.model_executor.driver_worker.worker.model_runner.model",
+        "llm_engine.model_executor.driver_worker.model_runner.model",
+        "llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model",
+        "llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner.model",
+    )
+    """Where an in-process vLLM keeps its model (the path moved between versions; TRL's colocate
+    mode uses the second)."""
+
+    def _local_model(self) -> Any:
+        for path in self._MODEL_PATHS:
+            found: Any = self.llm
+            for attr in path.split("."):
+                found = getattr(found, attr, None)
+                if found is None:
+                    break
+            if found is not None:
+                return found
+        raise RuntimeError(
+            "rollout.vllm_weight_sync=inprocess: this vLLM keeps its model at none of "
+            f"{', '.join('llm.' + p for p in self._MODEL_PATHS)} (is VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            "honoured?); use rollout.vllm_weight_sync=nccl"
+        )
+
+    # -- the separate engine: RPC for names, NCCL for data --
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """`collective_rpc(method, args)` on every worker, each argument checked to be a plain
+        message first (`plain`): names, dtypes and shapes, never a tensor."""
+        for i, arg in enumerate(args):
+            plain(arg, f"argument {i} of {method}")
+        return list(self.llm.collective_rpc(method, args=tuple(args)))
+
+    def _rpc_beside(self, method: str, *args: Any) -> tuple[threading.Thread, dict]:
+        """`_rpc` in a thread (it returns when the workers do, and they wait for this process's
+        side of a collective): (the thread, a dict that gets `result` or `error`)."""
+        out: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                out["result"] = self._rpc(method, *args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+                out["error"] = exc
+
+        thread = threading.Thread(target=call, name=f"mmrl-vllm-{method}", daemon=True)
+        thread.start()
+        return thread, out
+
+    @staticmethod
+    def _joined(thread: threading.Thread, out: dict) -> list[Any]:
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+        return out["result"]
+
+    def _sending_device(self) -> torch.device:
+        """This process's GPU, from which weights are broadcast (not one of the engine's)."""
+        if self._sender is None:
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    "rollout.vllm_weight_sync=nccl broadcasts from this process's GPU; it has none"
+                )
+            self._sender = torch.device("cuda", torch.cuda.current_device())
+        return self._sender
+
+    def _weight_group(self) -> Any:
+        """The NCCL group of this process (rank 0) and the engine's workers, made once with
+        vLLM's own `StatelessProcessGroup` and `PyNcclCommunicator` (vLLM's RLHF example)."""
+        if self._group is not None:
+            return self._group
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        sender = self._sending_device()
+        workers = self._rpc("mmrl_device_uuid")
+        if device_uuid(sender) in workers:
+            raise RuntimeError(
+                f"rollout.vllm_weight_sync=nccl: this process's GPU ({sender}) is one of the vLLM engine's, and "
+                "NCCL cannot connect two ranks on one GPU: give the engine other GPUs, or use "
+                "rollout.vllm_weight_sync=inprocess"
+            )
+        # The workers are this LLM's local processes: the group meets on this host.
+        spec = {"host": "127.0.0.1", "port": _free_port(), "world_size": 1 + len(workers), "rank_offset": 1}
+        thread, out = self._rpc_beside("mmrl_init_weight_group", spec)
+        group = StatelessProcessGroup.create(host=spec["host"], port=spec["port"], rank=0,
+                                             world_size=spec["world_size"])  # fmt: skip
+        self._group = PyNcclCommunicator(group, device=sender)
+        ranks = self._joined(thread, out)
+        if sorted(ranks) != list(range(1, spec["world_size"])):
+            raise RuntimeError(f"vLLM workers joined the weight-sync group as ranks {ranks}")
+        return self._group
+
+    def _broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """The bucket's names, dtypes and shapes by RPC, its tensors by NCCL broadcast."""
+        group = self._weight_group()
+        sender = self._sending_device()
+        thread, out = self._rpc_beside(RECEIVE_METHOD, sync_message(bucket))
+        stream = torch.cuda.current_stream(sender) if sender.type == "cuda" else None
+        for _, tensor in bucket:
+            group.broadcast(tensor.to(sender), src=0, stream=stream)  # (host copies of a level-2 refill)
+        if stream is not None:
+            stream.synchronize()  # the bucket may be freed once the broadcasts are done
+        counts = self._joined(thread, out)
         if any(c != len(bucket) for c in counts):
             raise RuntimeError(f"vLLM workers loaded {counts} tensors of a bucket of {len(bucket)}")
 
@@ -693,8 +948,11 @@ class VLLMRolloutEngine:
             for bucket in self._last_sync:
                 self._push(bucket)
             self._weights_lost = False
+            self._after_sync()
         self.wake()
-        prompts = vllm_prompts(self.processor, samples, self.max_images)
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(**p) for p in vllm_prompts(self.processor, samples, self.max_images)]
         sampling = vllm.SamplingParams(
             **vllm_sampling_kwargs(params, self.stop_token_ids, self.allowed),
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, once it is done

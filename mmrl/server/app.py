@@ -151,8 +151,10 @@ class _Endpoints:
         }
 
     async def _scored(
-        self, batch: protocol.ParsedBatch, rename: Callable[[str], str] = str
+        self, batch: protocol.ParsedBatch, rename: Callable[[str], str] = str, answered: int | None = None
     ) -> list[WireResult]:
+        """The batch's results; a sample a verifier's `check_sample` refused is a 422 naming its
+        field, for the first `answered` items (default all: the rest are only compared)."""
         timeout_s = self.cfg.request_timeout_s
         if batch.timeout_s is not None:
             timeout_s = min(timeout_s, batch.timeout_s)
@@ -168,7 +170,7 @@ class _Endpoints:
                     results[i] = (0.0, {}, problem, result[3], None)
                     self.metrics.errors[(batch.items[i][0][0], "error")] += 1
         problems = []
-        for where, result in zip(batch.wheres, results):
+        for where, result in zip(batch.wheres[:answered], results[:answered]):
             if type(result) is tuple and result[4] is not None:
                 field = rename(result[4][0])
                 problems.append(f"{where}.{field}: {result[4][1]}" if where else f"{field}: {result[4][1]}")
@@ -180,7 +182,10 @@ class _Endpoints:
 
     async def score(self, body: bytes) -> tuple[int, Any]:
         data = protocol.parse_json(body)
-        batch = protocol.parse_score_request(data, self.known, self.cfg.max_batch, self.cfg.check_images)
+        cfg = self.cfg
+        batch = protocol.parse_score_request(
+            data, self.known, cfg.max_batch, cfg.check_images, cfg.image_root
+        )
         return 200, JSONBody(protocol.score_response_json(batch.ids, await self._scored(batch)))
 
     async def get_reward(self, body: bytes) -> tuple[int, Any]:
@@ -198,9 +203,13 @@ class _Endpoints:
         try:
             data = protocol.parse_json(body)
             batch = protocol.parse_judge(
-                data, self.known, self.cfg.judge_format_ratio, self.cfg.judge_iou_threshold
+                data,
+                self.known,
+                self.cfg.judge_format_ratio,
+                self.cfg.judge_iou_threshold,
+                self.cfg.judge_math,
             )
-            results = await self._scored(batch, protocol.judge_field)
+            results = await self._scored(batch, protocol.judge_field, answered=1)
         except RequestError as exc:
             verifier = data.get("reward_verifier") if isinstance(data, dict) else None
             self.metrics.sample_done(str(verifier or "unknown"), "invalid")
@@ -208,6 +217,21 @@ class _Endpoints:
             return 200, protocol.judge_failure_json(data, exc.message)
         if type(results[0]) is tuple and results[0][2] is not None:
             log.warning("/judge verifier error: %s", results[0][2])
+        disagree = protocol.judge_math_disagreement(results)
+        if disagree is not None:  # judge_math=mmrl: mmrl's math verifier vs V-Triune's settings
+            self.metrics.judge_math_compared += 1
+            self.metrics.judge_math_disagreed += disagree
+            m = self.metrics
+            if disagree and m.judge_math_disagreed % 100 == 1:
+                log.info(
+                    "/judge math: mmrl's verifier and V-Triune's settings disagree on %d of %d samples "
+                    "so far (this one: mmrl %s, V-Triune %s; response %.80r)",
+                    m.judge_math_disagreed,
+                    m.judge_math_compared,
+                    results[0][1].get("accuracy"),
+                    results[1][1].get("accuracy"),
+                    batch.items[0][1],
+                )
         return 200, protocol.judge_json(results[0], batch.items[0][0][0])
 
     async def health(self, body: bytes) -> tuple[int, Any]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmrl.types import AnswerLimits
+
 TOKEN_ENV = "MMRL_SERVE_TOKEN"
 """Environment variable holding the bearer token when the config does not set one."""
 
@@ -85,13 +87,27 @@ class ServeConfig:
     `auto` (a JSON object with a `verifier` key is a reward_model, anything else a ground truth)."""
     judge_format_ratio: float = 0.1
     """`format_ratio` for `/judge` (V-Triune) payloads that omit it (their server's default)."""
+    judge_math: str = "vtriune"
+    """How `/judge` scores V-Triune's `mathverify`: `vtriune` (their math-verify settings,
+    for a drop-in replacement: `\\boxed{\\sqrt{18}}` for gold `3\\sqrt{2}`, `2^{10}` for 1024,
+    `\\frac12` and `[0,1)` score 0 there as in V-Triune) or `mmrl` (mmrl's math verifier, which
+    credits those; each sample is then also scored V-Triune's way, and how often the two disagree
+    is counted in /metrics and logged)."""
     judge_iou_threshold: str = "average"
     """IoU threshold mode of `/judge` detection: "average", "dynamic" or a number in [0, 1] (V-Triune
     reads $DET_IOU_THRESHOLD; its launch script never exports it, so it runs "average")."""
+    answer_limits: AnswerLimits = field(default_factory=AnswerLimits)
+    """Caps on a response's final answer (characters, bracket nesting, tokens) checked before a
+    verifier parses it; past one the response scores 0 with an error of its own kind
+    (`answer_too_long`, ...), counted in `mmrl_verifier_errors_total{kind=...}`."""
     check_images: bool = False
-    """Decode the images of `/score` samples and reject unreadable ones with 422; image paths
-    are then read from the server's disk (rule-based verifiers never look at pixels, so by
-    default images are only type-checked and never opened)."""
+    """Decode the images of `/score` samples and reject unreadable ones, and ones over
+    `mmrl.types.MAX_IMAGE_PIXELS` (64 megapixels, data loading's limit), with 422 (rule-based
+    verifiers never look at pixels, so by default images are only type-checked, never opened)."""
+    image_root: str | None = None
+    """With `check_images`: the folder image paths are read from, relative to it. A path that is
+    absolute, holds `..` or leads out of it through a link is refused with one message, the same
+    whether or not a file is there; None: no path is read (base64 images only)."""
     plugins: list[str] = field(default_factory=list)
     """Python modules to import (in the server and every worker) that register extra verifiers."""
     check_cache_size: int = 4096
@@ -112,13 +128,18 @@ class ServeConfig:
 
     def validate(self) -> None:
         """Raise `ValueError` naming the setting that is unusable."""
+        from mmrl.config import number_checks
+
+        for ok, message in number_checks(self):
+            if not ok:
+                raise ValueError(message)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0 (0: one per core), got {self.workers}")
         if self.label_mode not in LABEL_MODES:
             raise ValueError(f"label_mode must be one of {list(LABEL_MODES)}, got {self.label_mode!r}")
-        for name in ("time_limit_s", "request_timeout_s", "head_timeout_s"):
+        for name in ("time_limit_s", "request_timeout_s", "head_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kill_grace_s < 0:
@@ -138,6 +159,15 @@ class ServeConfig:
                 f"max_batch ({self.max_batch}) must not exceed max_pending ({self.max_pending}): "
                 "a full batch could never be accepted"
             )
+        from mmrl.config import answer_limit_checks
+
+        for ok, message in answer_limit_checks(self.answer_limits, "answer_limits"):
+            if not ok:
+                raise ValueError(message)
+        if self.image_root is not None and not Path(self.image_root).is_dir():
+            raise ValueError(f"image_root {self.image_root!r} is not a folder")
+        if self.judge_math not in ("vtriune", "mmrl"):
+            raise ValueError(f"judge_math must be vtriune or mmrl, got {self.judge_math!r}")
         if self.judge_format_ratio < 0:
             raise ValueError(f"judge_format_ratio must be >= 0, got {self.judge_format_ratio}")
         threshold = str(self.judge_iou_threshold)
@@ -201,18 +231,16 @@ def load_serve_config(
     (only when no token is configured); validated."""
     from omegaconf import OmegaConf
 
+    from mmrl.config import config_object, merge_config_file, merge_config_values
+
     merged = OmegaConf.structured(ServeConfig)
     if config_file is not None:
-        path = Path(config_file)
-        if not path.exists():
-            raise FileNotFoundError(f"config file not found: {path}")
-        loaded = OmegaConf.create(path.read_text())
-        if not isinstance(loaded, type(OmegaConf.create({}))):
-            raise ValueError(f"{path}: expected a mapping at the top level")
-        merged = OmegaConf.merge(merged, loaded)
+        # The training config's reader: a folder, non-UTF-8 text, bad YAML (file:line:column) and
+        # unknown keys (with the closest known one) are one-line errors naming the file.
+        merged = merge_config_file(merged, config_file)
     if overrides:
-        merged = OmegaConf.merge(merged, {k: v for k, v in overrides.items() if v is not None})
-    cfg: ServeConfig = OmegaConf.to_object(merged)
+        merged = merge_config_values(merged, {k: v for k, v in overrides.items() if v is not None}, "options")
+    cfg: ServeConfig = config_object(merged)
     cfg.host = bind_host(cfg.host)
     if cfg.token is None and os.environ.get(TOKEN_ENV):
         cfg.token = os.environ[TOKEN_ENV]

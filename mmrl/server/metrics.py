@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from mmrl.server.protocol import WireItem, WireResult
 from mmrl.verifier_pool import PoolEvents
+from mmrl.verifiers.limits import answer_limit_kind
 
 if TYPE_CHECKING:
     from mmrl.verifier_pool import VerifierPool
@@ -28,6 +29,10 @@ class Metrics(PoolEvents):
         self.samples: Counter = Counter()
         self.errors: Counter = Counter()
         self.worker_restarts = 0
+        self.judge_math_compared = 0
+        """`/judge` math samples scored both ways (`judge_math: mmrl`)."""
+        self.judge_math_disagreed = 0
+        """... of which mmrl's verifier and V-Triune's settings disagreed on the accuracy."""
 
     def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests[(endpoint, status)] += 1
@@ -49,13 +54,12 @@ class Metrics(PoolEvents):
             verifier = item[0][0]
             samples[verifier] += 1
             if type(result) is tuple and result[2] is not None:
-                kind = (
-                    "invalid"
-                    if result[4] is not None
-                    else "timeout"
-                    if result[2].startswith("timeout")
-                    else "error"
-                )
+                if result[4] is not None:
+                    kind = "invalid"
+                elif result[2].startswith("timeout"):
+                    kind = "timeout"
+                else:  # an answer refused by a size cap has its own kind (answer_too_long, ...)
+                    kind = answer_limit_kind(result[2]) or "error"
                 self.errors[(verifier, kind)] += 1
 
     # The verifier pool's events
@@ -98,7 +102,8 @@ class Metrics(PoolEvents):
         for verifier, n in sorted(self.samples.items()):
             lines.append(f'mmrl_samples_total{{verifier="{_label(verifier)}"}} {n}')
         lines += [
-            "# HELP mmrl_verifier_errors_total Scoring errors by verifier and kind (error, timeout, crash, invalid).",
+            "# HELP mmrl_verifier_errors_total Scoring errors by verifier and kind (error, timeout, crash, invalid, "
+            "answer_too_long, answer_too_deep, answer_too_many_tokens).",
             "# TYPE mmrl_verifier_errors_total counter",
         ]
         for (verifier, kind), n in sorted(self.errors.items()):
@@ -113,6 +118,13 @@ class Metrics(PoolEvents):
             "# HELP mmrl_worker_restarts_total Verifier worker processes replaced (killed or crashed).",
             "# TYPE mmrl_worker_restarts_total counter",
             f"mmrl_worker_restarts_total {self.worker_restarts}",
+            "# HELP mmrl_judge_math_compared_total /judge math samples scored by mmrl's verifier and by "
+            "V-Triune's settings (judge_math: mmrl).",
+            "# TYPE mmrl_judge_math_compared_total counter",
+            f"mmrl_judge_math_compared_total {self.judge_math_compared}",
+            "# HELP mmrl_judge_math_disagreements_total ... of which the two accuracies differed.",
+            "# TYPE mmrl_judge_math_disagreements_total counter",
+            f"mmrl_judge_math_disagreements_total {self.judge_math_disagreed}",
         ]
         return "\n".join(lines) + "\n"
 

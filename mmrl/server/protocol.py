@@ -51,9 +51,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -94,9 +94,11 @@ def bad(where: str, problem: str) -> RequestError:
 
 
 MAX_JSON_DEPTH = 64
-"""Deepest nesting accepted in JSON given as a string field (`reward_verifier_parm`,
-`reward_model`, `extra_info`, `verifier_params`, a label): no verifier needs more, and deeper
-values would only reach recursion limits further on."""
+"""Deepest nesting accepted in a sample's JSON values (`ground_truth`, `verifier_params` or
+`verifier_parm`, `prompt`, `extra_info`, a label, `/judge`'s `solution`, `answer` and
+`reward_verifier_parm`), given as JSON or as a string of JSON: no verifier needs more, and
+deeper values would only reach recursion limits further on (pickling them for a worker). A body
+too deep for the JSON parser itself is refused the same way, naming where it gets too deep."""
 
 
 class MalformedJSON(RequestError):
@@ -138,8 +140,15 @@ def loads(text: str | bytes, where: str = "") -> Any:
             f"non-finite number {exc.text[:40]!r}: numbers must be finite (NaN, Infinity and "
             "values beyond the float range are refused)"
         )
-    except RecursionError:
-        raise RequestError(status, f"{prefix}nested too deeply") from None
+    except RecursionError:  # past the parser's own limit (about 1,000 levels): say where
+        path = _deep_path(text, MAX_JSON_DEPTH)
+        if not path or path.startswith("["):  # the body itself an array, or no path found
+            place = (where or "body") + path
+        else:
+            place = f"{where}.{path}" if where else path
+        raise RequestError(
+            422, f"{place}: nested more than {MAX_JSON_DEPTH} levels deep (this server's limit)"
+        ) from None
     except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
         if "digits" not in str(exc):
             raise
@@ -147,6 +156,47 @@ def loads(text: str | bytes, where: str = "") -> Any:
     path = _bad_number_path(text)
     place = f"{where}.{path}" if where and path else where or path or "body"
     raise RequestError(422, f"{place}: {problem}")
+
+
+_JSON_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}:,]')
+"""A JSON string, or one structural character (everything else is skipped by the search)."""
+
+
+def _deep_path(text: str | bytes, limit: int) -> str:
+    """Where `text` (JSON) first nests deeper than `limit` levels: `samples[0].reward_model.
+    ground_truth[0][0]...` (the first eight steps of the path), or "" if it never does. Stops
+    there, so it reads only as far as the first excess."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    stack: list[list] = []  # [opener, current key or index]
+    last_string = '""'
+    for found in _JSON_STRUCTURE.finditer(text):
+        token = found.group()
+        if token[0] == '"':
+            last_string = token
+        elif token in "[{":
+            if len(stack) >= limit:
+                steps = [f".{key}" if opener == "{" else f"[{key}]" for opener, key in stack]
+                path = "".join(steps[:8]).lstrip(".") + ("..." if len(steps) > 8 else "")
+                return path
+            stack.append([token, 0 if token == "[" else ""])
+        elif token in "]}":
+            if stack:
+                stack.pop()
+        elif token == ":" and stack and stack[-1][0] == "{":
+            try:
+                stack[-1][1] = json.loads(last_string)
+            except ValueError:
+                stack[-1][1] = last_string.strip('"')
+        elif token == "," and stack and stack[-1][0] == "[":
+            stack[-1][1] += 1
+    return ""
+
+
+def check_depth(value: Any, where: str) -> None:
+    """422 naming `where` if `value` nests more than `MAX_JSON_DEPTH` levels."""
+    if isinstance(value, (dict, list)) and _depth_exceeds(value, MAX_JSON_DEPTH):
+        raise bad(where, f"nested more than {MAX_JSON_DEPTH} levels deep (this server's limit)")
 
 
 class _BadNumber:
@@ -295,11 +345,13 @@ def _reward_fields(reward: dict, where: str, known: frozenset[str]) -> tuple[str
     verifier = _verifier(reward.get("verifier"), f"{where}.verifier", known)
     if reward.get("ground_truth") is None:
         raise bad(f"{where}.ground_truth", "missing")
+    check_depth(reward["ground_truth"], f"{where}.ground_truth")
     params = reward.get("verifier_params")
     key = "verifier_params"
     if params is None and reward.get("verifier_parm") is not None:
         params, key = reward["verifier_parm"], "verifier_parm"
     params = {} if params is None else _object(params, f"{where}.{key}", json_string=True)
+    check_depth(params, f"{where}.{key}")
     if None in params.values():  # null means "not given" (Arrow struct columns send missing keys so)
         params = {k: v for k, v in params.items() if v is not None}
     accuracy = _ratio(reward.get("accuracy_ratio"), f"{where}.accuracy_ratio", 1.0)
@@ -322,7 +374,11 @@ def parse_context(value: Any, where: str = "context") -> VerifyContext:
 
 
 def parse_record(
-    record: Any, where: str, known: frozenset[str], check_images: bool = False
+    record: Any,
+    where: str,
+    known: frozenset[str],
+    check_images: bool = False,
+    image_root: str | Path | None = None,
 ) -> tuple[str, Any, dict, float, float, str, str, Any]:
     """One sample record -> (verifier, ground_truth, params, accuracy_ratio, format_ratio,
     data_source, sample_id, prompt). Raises 422 naming `where.<field>`."""
@@ -337,6 +393,7 @@ def parse_record(
     )
     extra = record.get("extra_info")
     extra = {} if extra is None else _object(extra, f"{where}.extra_info", json_string=True)
+    check_depth(extra, f"{where}.extra_info")
     sample_id = str(extra["id"]) if extra.get("id") is not None else where
     prompt = record.get("prompt")
     if prompt is not None and not isinstance(prompt, (str, list)):
@@ -344,6 +401,7 @@ def parse_record(
             f"{where}.prompt", f"must be a string or an array of chat messages, got {_type_name(prompt)}"
         )
     if isinstance(prompt, list):
+        check_depth(prompt, f"{where}.prompt")
         for i, message in enumerate(prompt):
             if not isinstance(message, dict) or "content" not in message:
                 raise bad(f"{where}.prompt[{i}]", "must be an object with 'role' and 'content'")
@@ -352,56 +410,88 @@ def parse_record(
     images = record.get("images")
     if images is not None:
         for i, image in enumerate(_array(images, f"{where}.images")):
-            check_image(image, f"{where}.images[{i}]", decode=check_images)
+            check_image(image, f"{where}.images[{i}]", decode=check_images, image_root=image_root)
     return verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt
 
 
-def check_image(item: Any, where: str, decode: bool) -> None:
-    """Type-check one image source; with `decode`, prove it is a readable image."""
+IMAGE_PATH_REFUSED = (
+    "not base64, and not an image path this server reads (a path must be relative to the "
+    "server's image_root and stay inside it: no absolute path, no '..', no link leading out)"
+)
+"""The one answer for every refused image path, whether or not a file is there: a client must
+not learn from the server which files exist outside its image root."""
+
+
+def resolve_image_path(text: str, root: str | Path | None) -> Path | None:
+    """The file an image path names under `root`, or None if the path is refused: no root
+    configured, an absolute path (or `~`), a `..` component, or a path that leaves the root once
+    its links are resolved. Decided before the file system is asked whether anything exists."""
+    if not root or not text or len(text) > 4096 or "\x00" in text:
+        return None
+    relative = Path(text)
+    if relative.is_absolute() or text.startswith("~") or ".." in relative.parts or relative.drive:
+        return None
+    try:
+        base = Path(root).resolve()
+        full = (base / relative).resolve()
+    except (OSError, RuntimeError, ValueError):  # a link loop, a name the OS refuses
+        return None
+    return full if full.is_relative_to(base) else None
+
+
+def check_image(item: Any, where: str, decode: bool, image_root: str | Path | None = None) -> None:
+    """Type-check one image source; with `decode`, prove it is a readable image of at most
+    `mmrl.types.MAX_IMAGE_PIXELS` (the limit data loading applies; checked from the header,
+    before decoding). Paths are read only under `image_root` (`resolve_image_path`); a refused
+    path gets `IMAGE_PATH_REFUSED` whether or not a file is there."""
+    path_only = False
     if isinstance(item, dict):
         if item.get("bytes"):
             item = item["bytes"]
         elif item.get("path"):
-            item = item["path"]
+            item, path_only = item["path"], True
         else:
             raise bad(where, "an image object needs 'bytes' (base64) or 'path'")
     if not isinstance(item, str):
         raise bad(where, f"must be a path, a base64 string or {{'bytes'|'path'}}, got {_type_name(item)}")
     if not decode:
         return
-    from PIL import Image, UnidentifiedImageError
+    from mmrl.types import ImageError, load_image
 
-    data: bytes | None = None
-    if item.startswith("data:image/") and ";base64," in item:
-        item = item.split(";base64,", 1)[1]
-        data = _b64(item, where)
-    elif not _is_file(item):
-        try:
-            data = base64.b64decode(item, validate=True)
-        except (binascii.Error, ValueError):
-            raise bad(where, f"image file not found on the server (and not base64): {item[:200]}") from None
+    source: bytes | Path
+    if item.startswith("data:image/") and ";base64," in item and not path_only:
+        source = _b64(item.split(";base64,", 1)[1], where)
+    else:
+        path = resolve_image_path(item, image_root)
+        if path is not None and path.is_file():
+            source = path
+        else:
+            data = None
+            if not path_only:
+                try:
+                    data = base64.b64decode(item, validate=True)
+                except (binascii.Error, ValueError):
+                    data = None
+            if data is None:
+                if path is None:
+                    raise bad(where, IMAGE_PATH_REFUSED)
+                raise bad(where, f"image file not found under the server's image_root: {item[:200]}")
+            source = data
+    what = f"{len(source)} bytes" if isinstance(source, bytes) else item[:200]
     try:
-        with Image.open(io.BytesIO(data) if data is not None else item) as image:
-            image.load()
-    except FileNotFoundError:
-        raise bad(where, f"image file not found on the server: {item}") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        what = f"{len(data)} bytes" if data is not None else item
-        raise bad(where, f"unreadable image ({what}): {type(exc).__name__}: {exc}") from None
-
-
-def _is_file(text: str) -> bool:
-    try:
-        return len(text) < 4096 and Path(text).is_file()
-    except OSError:
-        return False
+        load_image(source).close()
+    except ImageError as exc:
+        problem = str(exc)
+        if isinstance(source, Path):  # name the path as the client gave it, not where it resolved
+            problem = problem.replace(str(source), what, 1)
+        raise bad(where, f"unreadable image: {problem}") from None
 
 
 def _b64(text: str, where: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise bad(where, "neither an existing path on the server nor valid base64") from None
+        raise bad(where, "not valid base64 after 'data:image/...;base64,'") from None
 
 
 @dataclass
@@ -418,7 +508,11 @@ class ParsedBatch:
 
 
 def parse_score_request(
-    data: Any, known: frozenset[str], max_batch: int, check_images: bool = False
+    data: Any,
+    known: frozenset[str],
+    max_batch: int,
+    check_images: bool = False,
+    image_root: str | Path | None = None,
 ) -> ParsedBatch:
     """The body of `POST /score`."""
     data = _object(data, "body")
@@ -466,7 +560,7 @@ def parse_score_request(
         known_sample = parsed.get(j)
         if known_sample is None:
             where = f"samples[{j}]"
-            fields = parse_record(samples[j], where, known, check_images)
+            fields = parse_record(samples[j], where, known, check_images, image_root)
             known_sample = parsed[j] = (fields, fields[6], where)
         fields, sample_id, where = known_sample
         items.append((fields, response, *tail))
@@ -727,12 +821,22 @@ def _det_ratios(value: Any) -> dict[str, float]:
     return out
 
 
+JUDGE_MATH_STYLES = ("vtriune", "mmrl")
+"""How `/judge` scores V-Triune's `mathverify` (`ServeConfig.judge_math`)."""
+
+
 def parse_judge(
-    data: Any, known: frozenset[str], default_format_ratio: float, iou_threshold: str | float = "average"
+    data: Any,
+    known: frozenset[str],
+    default_format_ratio: float,
+    iou_threshold: str | float = "average",
+    math_style: str = "vtriune",
 ) -> ParsedBatch:
     """V-Triune's `/judge` payload -> one item (their verifier names and params mapped).
 
-    `mathverify` is scored with `style: "vtriune"` (V-Triune's own math-verify settings) and
+    `mathverify` is scored with `style: "vtriune"` (V-Triune's own math-verify settings; with
+    `math_style="mmrl"`, mmrl's own math verifier, and a second item scores it V-Triune's way
+    for comparison: `judge_math_comparison`) and
     `detection` with V-Triune's parsing, format reward and components (`style: "vtriune"`):
     its constructor options `det_verifier_normalized` (predictions rescaled by
     `image_grid_thw`'s width and height onto the 0-1000 grid, truncated to integers; no grid:
@@ -752,6 +856,12 @@ def parse_judge(
     _string(data["reward_verifier"], "reward_verifier", empty_ok=False)
     parm = data.get("reward_verifier_parm")
     parm = {} if parm is None else dict(_object(parm, "reward_verifier_parm", json_string=True))
+    for name, value in (
+        ("solution", data["solution"]),
+        ("answer", data.get("answer")),
+        ("reward_verifier_parm", parm),
+    ):
+        check_depth(value, name)
     step = _int(parm.get("step", 0), "reward_verifier_parm.step", 0)
     total = _int(parm.get("total_steps", 1) or 1, "reward_verifier_parm.total_steps", 1)
     if data["reward_verifier"] == "detection":
@@ -777,7 +887,7 @@ def parse_judge(
                 raise bad(
                     "reward_verifier_parm.image_grid_thw", f"expected [[t, height, width], ...], got {grid!r}"
                 ) from None
-    elif data["reward_verifier"] == "mathverify":
+    elif data["reward_verifier"] == "mathverify" and math_style == "vtriune":
         parm["style"] = "vtriune"
     accuracy = _ratio(data.get("accuracy_ratio"), "accuracy_ratio", 1.0, upper=None)
     fmt_key = "format_ratio" if data.get("format_ratio") is not None else "fmt_ratio"
@@ -829,7 +939,18 @@ def parse_judge(
         prompt,
     )
     item = (fields, response, step, total, False)
+    if data["reward_verifier"] == "mathverify" and math_style == "mmrl":
+        vtriune = (*fields[:2], {**fields[2], "style": "vtriune"}, *fields[3:])
+        return ParsedBatch([item, (vtriune, response, step, total, False)], ["judge", "judge"], ["", ""])
     return ParsedBatch([item], ["judge"], [""])
+
+
+def judge_math_disagreement(results: Sequence[WireResult]) -> bool | None:
+    """With `math_style="mmrl"`: whether mmrl's math verifier (`results[0]`) and V-Triune's
+    settings (`results[1]`) disagree on the accuracy; None when either could not score."""
+    if len(results) < 2 or any(type(r) is not tuple or r[2] is not None for r in results[:2]):
+        return None
+    return results[0][1].get("accuracy") != results[1][1].get("accuracy")
 
 
 def judge_json(result: WireResult, verifier: Any = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from mmrl.server import protocol
 from mmrl.server.config import ServeConfig
 from mmrl.server.metrics import Metrics
 from mmrl.server.protocol import WireItem, WireResult
-from mmrl.types import VerifyContext
+from mmrl.types import AnswerLimits, VerifyContext
 from mmrl.verifier_pool import VerifierPool
 from mmrl.verifiers.registry import VerifierTimeout, call_with_time_limit, get_verifier
 
@@ -21,20 +21,26 @@ class WireScorer:
     """The server's items in the verifier pool (`mmrl.verifier_pool`): `WireItem`s to
     `WireResult`s. Sent to every worker; `checked` remembers samples already checked there."""
 
-    def __init__(self, time_limit_s: float, cache_size: int):
+    def __init__(self, time_limit_s: float, cache_size: int, limits: AnswerLimits | None = None):
         self.time_limit_s = time_limit_s
         self.cache_size = cache_size
+        self.limits = limits or AnswerLimits()
         self.checked: OrderedDict = OrderedDict()
 
     def __call__(self, item: WireItem, chunk: dict) -> WireResult:
-        return _score_item(item, self.checked, self.cache_size, self.time_limit_s, chunk)
+        return _score_item(item, self.checked, self.cache_size, self.time_limit_s, chunk, self.limits)
 
     def error_result(self, message: str) -> WireResult:
         return (0.0, {}, message, None, None)
 
 
 def _score_item(
-    item: WireItem, checked: OrderedDict, cache_size: int, time_limit_s: float, samples: dict
+    item: WireItem,
+    checked: OrderedDict,
+    cache_size: int,
+    time_limit_s: float,
+    samples: dict,
+    limits: AnswerLimits | None = None,
 ) -> WireResult:
     """Score one item: the verifier's `check_sample` (remembered per ground truth and params),
     then the verifier under the time limit; any exception is the item's error result.
@@ -72,7 +78,9 @@ def _score_item(
         _, response, step, total_steps, native = item
         context = samples.get((step, total_steps))
         if context is None:
-            context = samples[(step, total_steps)] = VerifyContext(step, total_steps)
+            context = samples[(step, total_steps)] = VerifyContext(
+                step, total_steps, limits or AnswerLimits()
+            )
         result = verifier(response, sample, context, time_limit_s=time_limit_s)
         if native and result.error is None:
             return protocol.render_fields(float(result.score), result.components, result.extracted)
@@ -93,7 +101,7 @@ def _number(value: Any) -> float:
 def server_pool(cfg: ServeConfig, metrics: Metrics) -> VerifierPool:
     """The verifier pool serving `cfg` (its workers retry forever if plugins fail to import)."""
     return VerifierPool(
-        WireScorer(cfg.time_limit_s, cfg.check_cache_size),
+        WireScorer(cfg.time_limit_s, cfg.check_cache_size, cfg.answer_limits),
         cfg.resolved_workers(),
         time_limit_s=cfg.time_limit_s,
         kill_grace_s=cfg.kill_grace_s,

@@ -220,7 +220,7 @@ def make_rollout_engine(cfg: Config, policy: Policy):
     model = copy.deepcopy(policy.model).to(device=p.device, dtype=p.compute).eval().requires_grad_(False)
     inference = Precision(p.device, p.compute, p.compute)
     own = Policy(**{**policy.__dict__, "model": model, "precision": inference})
-    return HFRolloutEngine.from_policy(own, max_batch_rows=cfg.rollout.max_batch_rows)
+    return HFRolloutEngine.from_policy(own, rollout=cfg.rollout)
 
 
 def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from mmrl.config import Config
 from mmrl.rollout.hf import SamplingParams
 from mmrl.router import RewardBatch
 from mmrl.types import RolloutBatch
+from mmrl.verifiers.limits import is_refusal
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,10 @@ def greedy_baselines(
         scores = scores + overlong_penalty(
             lengths, cfg.rollout.max_new_tokens, cfg.algo.overlong_buffer, cfg.algo.overlong_penalty
         )
-    errors = torch.tensor(
-        [r.error is not None for r in rewards.results], dtype=torch.bool, device=batch.device
+    errors = torch.tensor(  # a greedy answer refused by a size cap is a verdict: a baseline of 0
+        [r.error is not None and not is_refusal(r.error) for r in rewards.results],
+        dtype=torch.bool,
+        device=batch.device,
     )
     if errors.any():
         ids = [s.id for s, bad in zip(prompts, errors.tolist()) if bad]

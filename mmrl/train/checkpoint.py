@@ -42,6 +42,9 @@ MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
 TMP_PREFIX = ".tmp_step_"
 OLD_PREFIX = ".old_step_"
+PROGRESS_MIN_BYTES = 1 << 30
+"""Checkpoints of models with at least this many bytes of parameters show a progress bar on a
+terminal while they are written: the weights, the trainer state, the checksums, the sync."""
 
 
 @dataclass
@@ -87,17 +90,30 @@ def save_checkpoint(
 
     A failed write (full disk, read-only folder, ...) removes the temporary folder and raises
     `StorageError` naming the path and the cause; the checkpoints already there are untouched."""
+    from tqdm import tqdm
+
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f"{TMP_PREFIX}{step:08d}_{os.getpid()}"
+    params = model.parameters() if hasattr(model, "parameters") else ()  # flow-GRPO saves a weights holder
+    large = sum(p.numel() * p.element_size() for p in params) >= PROGRESS_MIN_BYTES
+    # A large model's checkpoint takes minutes: a bar on a terminal (tqdm's None: only on a TTY).
+    bar = tqdm(
+        total=4, desc=f"checkpoint step {step}", unit="part", disable=None if large else True, leave=False
+    )
     try:
         with storage_errors(f"write checkpoint step {step} to", tmp):
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / "model").mkdir(parents=True)
+            bar.set_postfix_str("weights")
             model.save_pretrained(tmp / "model")
             processor.save_pretrained(tmp / "model")
+            bar.update(1)
+            bar.set_postfix_str("trainer state")
             torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / STATE)
             (tmp / "config.yaml").write_text(config_yaml)
+            bar.update(1)
+            bar.set_postfix_str("checksums")
             files = {
                 str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                 for p in sorted(tmp.rglob("*"))
@@ -105,10 +121,13 @@ def save_checkpoint(
             }
             manifest = {"step": step, "metric": metric, "time": time.time(), "files": files}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            bar.update(1)
+            bar.set_postfix_str("sync")
             for f in [*tmp.rglob("*"), tmp]:  # flush file contents before the rename makes them visible
                 if f.is_file():
                     with f.open("rb") as fh:
                         os.fsync(fh.fileno())
+            bar.update(1)
             old = None
             if final.exists():  # e.g. the final checkpoint after a periodic one at the same step
                 old = root / f"{OLD_PREFIX}{step:08d}_{os.getpid()}"
@@ -129,6 +148,8 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        bar.close()
     return final
 
 

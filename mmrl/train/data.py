@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import numpy as np
 
 from mmrl.config import Config
 from mmrl.datasets.procedural import make_samples
-from mmrl.datasets.sources import read_source
+from mmrl.datasets.sources import load_source
 from mmrl.router import import_plugins
 from mmrl.types import Sample
+
+log = logging.getLogger(__name__)
 
 DEFAULT_COT_PROMPTS: tuple[str, ...] = (
     " Think step by step, then give the final answer in \\boxed{}.",
@@ -26,24 +29,73 @@ def load_data(cfg: Config) -> tuple[list[Sample], list[Sample]]:
     """Training and held-out samples: from files or datasets by name when given
     (`mmrl.datasets.sources`: sample files, hub ids, `load_dataset` / `load_from_disk` sources),
     else procedural kinds. Every record is validated here, before anything trains."""
+    train, heldout, _ = load_data_report(cfg)
+    return train, heldout
+
+
+def load_data_report(cfg: Config) -> tuple[list[Sample], list[Sample], dict[str, list[dict]]]:
+    """`load_data`, and what was loaded: `{"train": [...], "heldout": [...]}`, one entry per
+    source with its row count, detected layout and origin (the run's `summary.json` keeps it)."""
     import_plugins(cfg.reward.plugins)  # verifier names are checked while loading
     d = cfg.data
     kw = dict(kinds_=d.kinds, seed=d.seed, image_size=d.image_size)
-    if d.train_files:
-        train = [s for f in d.train_files for s in read_source(f, max_prompt_chars=d.max_prompt_chars)]
-    else:
-        train = make_samples(n=d.num_train, split="train", **kw)
+    report: dict[str, list[dict]] = {"train": [], "heldout": []}
+    from_hub: set[str] = set()
+
+    def read(files: list[str], split: str) -> list[Sample]:
+        loaded = [load_source(f, max_prompt_chars=d.max_prompt_chars) for f in files]
+        report[split] = [source.summary() for source in loaded]
+        from_hub.update(s.data_source for source in loaded if source.origin == "hub" for s in source.samples)
+        return [s for source in loaded for s in source.samples]
+
+    def generate(n: int, split: str) -> list[Sample]:
+        samples = make_samples(n=n, split=split, **kw)
+        kinds = ",".join(d.kinds)
+        report[split] = [
+            {"entry": f"{d.task}:{kinds}", "rows": len(samples), "layout": "procedural", "origin": "built-in"}
+        ]
+        return samples
+
+    train = read(d.train_files, "train") if d.train_files else generate(d.num_train, "train")
     if d.heldout_files:
-        heldout = [s for f in d.heldout_files for s in read_source(f, max_prompt_chars=d.max_prompt_chars)]
+        heldout = read(d.heldout_files, "heldout")
     elif not d.train_files:
-        heldout = make_samples(n=d.num_heldout, split="heldout", **kw)
+        heldout = generate(d.num_heldout, "heldout")
     else:
         raise ValueError("data.train_files is set: give data.heldout_files too")
     if not train:
         raise ValueError("no training samples")
     if not heldout:
         raise ValueError("no held-out samples (data.heldout_files or data.num_heldout)")
-    return train, heldout
+    # Sources of rows read from the hub named like a hub id (veRL's `hiyouga/geometry3k`) are
+    # shortened; every other keeps its name (`vision_reasoning/colour_code`) unless aliased.
+    names = short_source_names(from_hub, d.source_aliases)
+    names.update(
+        {s: d.source_aliases.get(s, s) for s in {x.data_source for x in train + heldout} - names.keys()}
+    )
+    if any(old != new for old, new in names.items()):
+        for sample in train + heldout:
+            sample.data_source = names[sample.data_source]
+        report["source_names"] = [
+            {"data_source": old, "name": new} for old, new in names.items() if old != new
+        ]
+    for split, sources in (("train", report["train"]), ("heldout", report["heldout"])):
+        log.info(
+            "%s data: %s",
+            split,
+            "; ".join(f"{s['entry']}: {s['rows']} samples, {s['layout']} layout" for s in sources),
+        )
+    return train, heldout, report
+
+
+def short_source_names(sources: set[str], aliases: dict[str, str]) -> dict[str, str]:
+    """`{data_source: name in metrics}`: `aliases` first; a `/` in any other name keeps only its
+    last part (`hiyouga/geometry3k` -> `geometry3k`), unless that would give two sources one name."""
+    names = {s: aliases.get(s) or s.rsplit("/", 1)[-1] or s for s in sources}
+    taken: dict[str, list[str]] = {}
+    for source, name in names.items():
+        taken.setdefault(name, []).append(source)
+    return {s: (n if len(taken[n]) == 1 else aliases.get(s, s)) for s, n in names.items()}
 
 
 class PromptSampler:

@@ -32,6 +32,7 @@ Checkpoints hold both halves (weights, EMA, both optimizers) and resume exactly,
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -43,7 +44,6 @@ import torch
 from tqdm import tqdm
 
 from mmrl.models.planner import PlanBatch, Planner, builtin_planner, load_planner, plan_accuracy
-from mmrl.train.decoupled_config import DecoupledConfig
 from mmrl.train.flow_checkpoint import (
     FlowProgress,
     _Weights,
@@ -53,7 +53,7 @@ from mmrl.train.flow_checkpoint import (
     restore_flow_checkpoint,
     write_flow_checkpoint,
 )
-from mmrl.train.flow_config import flow_config_dict
+from mmrl.train.flow_config import DecoupledConfig, flow_config_dict
 from mmrl.train.flow_grpo import (
     FlowTrainee,
     FlowTrainResult,
@@ -77,6 +77,7 @@ from mmrl.train.flow_grpo import (
 )
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_flow_curves
+from mmrl.train.rundir import hold_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -484,6 +485,17 @@ def restore_decoupled_checkpoint(
 # --- the run ---------------------------------------------------------------------------------------
 def run_decoupled(cfg: DecoupledConfig) -> FlowTrainResult:
     """`mmrl train --task text_to_image_decoupled`: train both halves, evaluate, save."""
+    if not cfg.trainer.run_dir:  # fixed once: the lock and everything after name the same folder
+        cfg = copy.deepcopy(cfg)
+        cfg.trainer.run_dir = f"runs/{cfg.data.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # One run writes a run directory at a time, a resumed one too: the lock comes before anything
+    # there is read or cleaned (a second trainer is refused at once, naming the first).
+    with hold_run_dir(cfg.trainer.run_dir, "mmrl train"):
+        return _run_decoupled(cfg)
+
+
+def _run_decoupled(cfg: DecoupledConfig) -> FlowTrainResult:
+    """`run_decoupled` while this process holds the run directory's lock."""
     from mmrl.train.grpo import StopRequest
 
     t_start = time.monotonic()

@@ -1,12 +1,33 @@
-"""Greedy held-out evaluation: accuracy overall and per data source."""
+"""Greedy held-out evaluation: accuracy overall and per data source, a progress bar, sample
+generations for the trackers, and a clean stop on SIGINT / SIGTERM."""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
 from mmrl.router import Router
 from mmrl.types import Sample, VerifyContext
+
+
+class EvaluationInterrupted(KeyboardInterrupt):
+    """A stop was asked (SIGINT / SIGTERM) during an evaluation: it ended between two responses,
+    its metrics unlogged. A `KeyboardInterrupt`, so that outside a training loop it ends the
+    command like Ctrl-C does (one line, exit status 130)."""
+
+
+@dataclass
+class Evaluation:
+    """What one evaluation measured, and the first responses for the trackers' tables."""
+
+    metrics: dict[str, float]
+    """`eval/...` metrics."""
+    generations: list[dict[str, Any]] = field(default_factory=list)
+    """The first `generations` samples' rows: `data_source`, `id`, `prompt`, `image` (the first
+    image, or None), `response`, `ground_truth`, `reward` and each reward component."""
 
 
 def evaluate(
@@ -20,7 +41,40 @@ def evaluate(
 
     Accuracy is the verifier's `accuracy` component (the final score where a verifier has none).
     """
-    batch = engine.generate(samples, SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens))
+    return run_evaluation(engine, router, samples, max_new_tokens, context).metrics
+
+
+def run_evaluation(
+    engine: HFRolloutEngine,
+    router: Router,
+    samples: list[Sample],
+    max_new_tokens: int,
+    context: VerifyContext | None = None,
+    *,
+    progress: bool = False,
+    should_stop: Callable[[], bool] | None = None,
+    generations: int = 0,
+) -> Evaluation:
+    """`evaluate`, with a progress bar of finished responses (`progress`), a stop between two
+    responses once `should_stop()` is true (`EvaluationInterrupted`), and the rows of the first
+    `generations` samples."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(samples), desc="held-out eval", unit="resp", disable=not progress, leave=False)
+
+    def finished(row: int, text: str) -> None:
+        bar.update(1)
+        if should_stop is not None and should_stop():
+            raise EvaluationInterrupted()
+
+    watch = progress or should_stop is not None
+    try:
+        params = SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens)
+        batch = engine.generate(samples, params, on_response=finished if watch else None)
+    finally:
+        bar.close()
+    if should_stop is not None and should_stop():
+        raise EvaluationInterrupted()
     rewards = router.score(batch.samples, batch.texts, context or VerifyContext())
     per_source: dict[str, list[float]] = defaultdict(list)
     accuracies = []
@@ -38,4 +92,37 @@ def evaluate(
     if len(per_source) > 1:
         for source, accs in sorted(per_source.items()):
             metrics[f"eval/accuracy/{source}"] = sum(accs) / len(accs)
-    return metrics
+    rows = [
+        generation_row(sample, text, result)
+        for sample, text, result in zip(batch.samples[:generations], batch.texts, rewards.results)
+    ]
+    return Evaluation(metrics, rows)
+
+
+def generation_row(sample: Sample, response: str, result: Any) -> dict[str, Any]:
+    """One row of the generations table: what was asked, shown and answered, and how it scored."""
+    return {
+        "data_source": sample.data_source,
+        "id": sample.id,
+        "prompt": prompt_text(sample),
+        "image": sample.pil_images()[0] if sample.images else None,
+        "response": response,
+        "ground_truth": str(sample.reward_model.ground_truth),
+        "reward": float(result.score),
+        "components": {name: float(value) for name, value in result.components.items()},
+        "error": result.error or "",
+    }
+
+
+def prompt_text(sample: Sample) -> str:
+    """The text of the sample's last user message (image placeholders as `<image>`)."""
+    for message in reversed(sample.prompt):
+        if message.get("role") != "user":
+            continue
+        content = message["content"]
+        if isinstance(content, str):
+            return content
+        return "".join(
+            part.get("text", "<image>") if isinstance(part, dict) else str(part) for part in content
+        )
+    return ""

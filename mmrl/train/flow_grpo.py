@@ -47,6 +47,7 @@ from mmrl.algos.sde import clipped_step_loss, flow_grpo_advantages, mean_kl
 from mmrl.models.precision import Precision, adamw, place, precision_from
 from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
 from mmrl.rollout.diffusion import FlowSampler, Trajectory, choose_sde_steps
+from mmrl.train.ema import EMA
 from mmrl.train.flow_checkpoint import (
     FlowProgress,
     check_config_unchanged,
@@ -59,6 +60,7 @@ from mmrl.train.flow_checkpoint import (
 from mmrl.train.flow_config import FlowConfig, flow_config_dict, flow_config_to_yaml
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_flow_curves
+from mmrl.train.rundir import hold_run_dir
 from mmrl.train.schedule import schedule_factor
 
 log = logging.getLogger(__name__)
@@ -151,42 +153,6 @@ def describe_figures(start: dict[str, float], final: dict[str, float]) -> str:
     return "; ".join(parts)
 
 
-class EMA:
-    """Exponential moving average of parameters, swapped in for evaluation and saving.
-
-    ema <- d ema + (1 - d) p with d = min(decay, (1 + n) / (10 + n)) at the n-th update (a warm-up
-    so early averages are not dominated by the initial weights).
-    """
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], decay: float):
-        self.params = list(params)
-        self.shadow = [p.detach().clone().float() for p in self.params]
-        self.decay = decay
-        self.updates = 0
-        self._stash: list[torch.Tensor] | None = None
-
-    @torch.no_grad()
-    def update(self) -> None:
-        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        for s, p in zip(self.shadow, self.params):
-            s.mul_(d).add_(p.detach().float(), alpha=1 - d)
-        self.updates += 1
-
-    @contextmanager
-    def applied(self) -> Iterator[None]:
-        """The EMA weights in place of the live ones inside the block."""
-        with torch.no_grad():
-            stash = [p.detach().clone() for p in self.params]
-            for s, p in zip(self.shadow, self.params):
-                p.copy_(s)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for s, p in zip(stash, self.params):
-                    p.copy_(s)
-
-
 class Reference:
     """The frozen reference policy for the KL term.
 
@@ -238,6 +204,17 @@ class FlowTrainee:
 
 def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
     """`mmrl train --task text_to_image`: train, evaluate, save; returns the figures."""
+    if not cfg.trainer.run_dir:  # fixed once: the lock and everything after name the same folder
+        cfg = copy.deepcopy(cfg)
+        cfg.trainer.run_dir = f"runs/{cfg.data.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # One run writes a run directory at a time, a resumed one too: the lock comes before anything
+    # there is read or cleaned (a second trainer is refused at once, naming the first).
+    with hold_run_dir(cfg.trainer.run_dir, "mmrl train"):
+        return _run_text_to_image(cfg)
+
+
+def _run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
+    """`run_text_to_image` while this process holds the run directory's lock."""
     from mmrl.train.grpo import StopRequest
 
     t_start = time.monotonic()

@@ -52,9 +52,9 @@ from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
 from mmrl.models.precision import Precision, adamw, place, precision_from
-from mmrl.rewards.config import accelerator_device, build_reward_models
+from mmrl.rewards.catalog import build_reward_models
+from mmrl.rewards.config import accelerator_device
 from mmrl.rewards.placement import RewardPlacement
-from mmrl.rewards.router_bridge import score_model_rewards
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch, Router, model_reward_failed
 from mmrl.train.baselines import greedy_baselines
@@ -68,19 +68,20 @@ from mmrl.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from mmrl.train.data import PromptSampler, cot_pool, load_data
+from mmrl.train.data import PromptSampler, cot_pool, load_data_report
 from mmrl.train.dumps import write_step_dump
-from mmrl.train.evaluation import evaluate
+from mmrl.train.evaluation import EvaluationInterrupted, run_evaluation
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
-from mmrl.train.rundir import create_run_dir, run_dir_path
+from mmrl.train.rundir import create_run_dir, hold_run_dir, run_dir_path
 from mmrl.train.schedule import schedule_factor
 from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
 from mmrl.train.update import old_and_ref_logprobs, update_policy
 from mmrl.types import RolloutBatch, VerifyContext
+from mmrl.verifiers.limits import is_refusal
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,15 @@ class Trainee:
     updates_while_scoring = True
     """Whether `update_policy` takes `before_minibatch` (a remote training group does not)."""
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What else a checkpoint holds to resume this trainee exactly (a composition's own
+        state, e.g. the Ray rollout workers' random generators); merged into the trainer state."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """After `resume_from` loaded a checkpoint's weights, optimizer and schedule (`state`: its
+        trainer state): put back what `checkpoint_state` saved, and whatever lives elsewhere."""
+
     def close(self) -> None:
         """Stop what the trainee started (verifier workers; actors and threads in other modes)."""
         self.router.close()
@@ -154,46 +164,50 @@ class Trainee:
 @dataclass
 class Composition:
     """How a run is put together from the same pieces: what builds the trainee and what one step
-    is. The default is the single-process, on-policy loop; `trainer.backend=ray`
-    (`mmrl.distributed.ray_backend`), `trainer.mode=async` (`mmrl.train.async_grpo`) and
-    `rollout.engine=vllm` in the on-policy loop (`mmrl.train.colocated`) and
-    `trainer.strategy=deepspeed` (`mmrl.distributed.deepspeed_group`) swap them."""
+    is. The default is the single-process, on-policy loop (`local_composition`); the others are
+    chosen by name in `mmrl.compose`, above this module, which imports none of them."""
 
     make_trainee: Callable[[Config, Policy, Path | None], Trainee]
     step: Callable[..., dict[str, float]]
 
 
-def composition(cfg: Config) -> Composition:
-    """The composition `trainer.backend` and `trainer.mode` ask for."""
-    if cfg.trainer.backend == "ray":
-        from mmrl.distributed.ray_backend import ray_composition
-
-        return ray_composition(cfg)
-    if cfg.trainer.mode == "async":
-        from mmrl.train.async_grpo import async_composition
-
-        return async_composition(cfg)
-    if cfg.trainer.strategy == "deepspeed":
-        from mmrl.distributed.deepspeed_group import deepspeed_composition
-
-        return deepspeed_composition(cfg)
-    if cfg.rollout.engine == "vllm":
-        from mmrl.train.colocated import colocated_composition
-
-        return colocated_composition(cfg)
+def local_composition() -> Composition:
+    """The default: the single-process, on-policy loop of this module."""
     return Composition(make_trainee=make_trainee, step=grpo_step)
 
 
-def train(cfg: Config) -> TrainResult:
+def asks_for_another_composition(cfg: Config) -> str | None:
+    """The setting that chooses a composition other than this module's loop (None: none does)."""
+    t = cfg.trainer
+    for key, value, default in (
+        ("trainer.backend", t.backend, "local"),
+        ("trainer.mode", t.mode, "sync"),
+        ("trainer.strategy", t.strategy, "fsdp2"),
+        ("rollout.engine", cfg.rollout.engine, "hf"),
+    ):
+        if value != default:
+            return f"{key}={value}"
+    return None
+
+
+def train(cfg: Config, compose: Composition | None = None) -> TrainResult:
+    """Train `cfg`'s run with `compose` (None: this module's loop, in this process).
+
+    The other compositions (Ray, async, DeepSpeed, colocated vLLM) are chosen by name above this
+    loop, in `mmrl.compose`; `mmrl.compose.train(cfg)` picks the one `cfg` asks for."""
     t_start = time.monotonic()
-    compose = composition(cfg)
+    if compose is None:
+        other = asks_for_another_composition(cfg)
+        if other is not None:
+            raise ValueError(f"{other} is a composition of mmrl.compose: run it with mmrl.compose.train(cfg)")
+        compose = local_composition()
     # 1. Setup: seeds, threads.
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
 
     # 2. Data: every record is validated here, before anything is written or trained.
-    train_samples, heldout = load_data(cfg)
+    train_samples, heldout, data_report = load_data_report(cfg)
     if cfg.trainer.eval_size:
         heldout = heldout[: cfg.trainer.eval_size]
     check_model_reward_names(cfg, train_samples + heldout)
@@ -203,6 +217,22 @@ def train(cfg: Config) -> TrainResult:
     check_paths(cfg)
     check_trackers_installed(cfg.trainer.loggers)
     run_dir = run_dir_path(cfg)
+    # One run writes a run directory at a time, a resumed one too: the lock comes before anything
+    # there is read or cleaned (a second trainer is refused at once, naming the first).
+    with hold_run_dir(run_dir, "mmrl train"):
+        return _train_holding(cfg, compose, sampler, heldout, run_dir, t_start, data_report)
+
+
+def _train_holding(
+    cfg: Config,
+    compose: Composition,
+    sampler: PromptSampler,
+    heldout: list,
+    run_dir: Path,
+    t_start: float,
+    data_report: dict,
+) -> TrainResult:
+    """`train` from the run directory on, while this process holds its lock."""
     resume_path = plan_resume(cfg, run_dir)
     run_dir = create_run_dir(cfg, run_dir)
 
@@ -222,11 +252,17 @@ def train(cfg: Config) -> TrainResult:
         t.close()
         raise
     total = cfg.trainer.total_steps
+    stop = StopRequest()
 
     def run_eval(step: int) -> float:
-        metrics = evaluate(
-            t.engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total)
-        )
+        # A stop asked during an evaluation ends it between two responses (EvaluationInterrupted).
+        log.info("step %d: held-out evaluation of %d samples", step, len(heldout))
+        evaluation = run_evaluation(
+            t.engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total),
+            progress=cfg.trainer.progress, should_stop=lambda: stop.requested,
+            generations=cfg.trainer.log_generations,
+        )  # fmt: skip
+        metrics = evaluation.metrics
         tr = cfg.trainer
         if tr.eval_suite and (step % tr.eval_suite_every == 0 or step == total):
             from mmrl.eval.runner import evaluate_suite
@@ -234,12 +270,13 @@ def train(cfg: Config) -> TrainResult:
             suite = None if tr.eval_suite == "builtin" else tr.eval_suite
             metrics.update(evaluate_suite(t.engine, suite, max_queries=tr.eval_suite_max_queries))
         metrics_log.log(step, metrics)
+        metrics_log.log_generations(step, evaluation.generations)
         log.info("step %d: greedy held-out accuracy %.3f", step, metrics["eval/accuracy"])
         return metrics["eval/accuracy"]
 
     # 4. The loop: one step per rollout batch, greedy evaluation every `eval_every` steps,
-    #    a checkpoint every `checkpoint_every` steps and when SIGINT / SIGTERM asks to stop.
-    stop = StopRequest()
+    #    a checkpoint every `checkpoint_every` steps and when SIGINT / SIGTERM asks to stop
+    #    (before the first step, a stop ends the run like Ctrl-C: nothing to resume yet).
     with metrics_log:  # every sink closed on the way out; the trackers told "failed" on an error
         try:
             with stop.installed():
@@ -256,8 +293,9 @@ def train(cfg: Config) -> TrainResult:
                     guard_skips(cfg, progress, metrics, step, run_dir)
                     bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", acc=f"{progress.final_acc:.3f}")
                     if step % cfg.trainer.eval_every == 0 or step == total:
-                        progress.final_acc = run_eval(step)
-                        progress.best_acc = max(progress.best_acc, progress.final_acc)
+                        with contextlib.suppress(EvaluationInterrupted):  # stop.requested: checkpoint below
+                            progress.final_acc = run_eval(step)
+                            progress.best_acc = max(progress.best_acc, progress.final_acc)
                     every = cfg.trainer.checkpoint_every
                     if (every and step % every == 0) or step == total or stop.requested:
                         write_checkpoint(cfg, t, sampler, progress, run_dir)
@@ -291,6 +329,7 @@ def train(cfg: Config) -> TrainResult:
     )
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
     summary["model_path"] = str(model_path)
+    summary["data"] = data_report
     with storage_errors("write the summary to", run_dir / "summary.json"):
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return result
@@ -345,6 +384,7 @@ def write_checkpoint(
         "sampler": sampler.state_dict(),
         "progress": progress.__dict__.copy(),
         "stability": t.stability.state_dict(),
+        **t.checkpoint_state(),
     }
     if t.stability.resets and isinstance(t.reference, torch.nn.Module):
         # A reset reference is the policy of its reset step, which nothing else can rebuild: it
@@ -400,6 +440,7 @@ def resume_from(
     if "reference" in state and isinstance(t.reference, torch.nn.Module):
         t.reference.load_state_dict(state["reference"])
     set_rng_state(state["rng"])
+    t.restore(state)
     log.info("resumed from %s at step %d", path, progress.step)
     return True
 
@@ -502,7 +543,7 @@ def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Tr
         reward_models=reward_models,
         policy=policy,
         reference=reference,
-        engine=HFRolloutEngine.from_policy(policy, max_batch_rows=cfg.rollout.max_batch_rows),
+        engine=HFRolloutEngine.from_policy(policy, rollout=cfg.rollout),
         router=make_router(cfg),
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
@@ -620,6 +661,8 @@ def learn_from_rollouts(
     metrics.update(rollout_metrics)
     metrics.update(baseline_metrics)
     metrics.update(inputs.mismatch_metrics(cfg, batch))
+    engine_facts = getattr(t.engine, "rollout_metrics", None)  # the HF engine's: LoRA merged, decode form
+    metrics.update(engine_facts() if callable(engine_facts) else {})
     metrics.update(mismatch_source_metrics(cfg, batch, inputs.old, inputs.rejected))
     metrics.update(step_metrics(batch, rewards, inputs.advantages, G))
     metrics["verifier/dropped"] = float(inputs.dropped.sum())
@@ -704,6 +747,9 @@ class StepInputs:
     """[N] bool: responses dropped by rollout rejection (`algo.rejection`; None when off)."""
     baselines: torch.Tensor | None = None
     """[N] the greedy baseline reward of each row's prompt (ReMax; None otherwise)."""
+    norm_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(truncated IS weights, loss mask) before rollout rejection and IS masking: what
+    `algo.tis_batch_norm` averages in veRL's order (scope `verl`; None otherwise)."""
 
     @classmethod
     def empty(
@@ -727,7 +773,10 @@ class StepInputs:
         rows = list(rows)
         # b. Reward shaping and loss masks.
         device = self.old.device  # rewards come from the verifier workers, on the host
-        valid = torch.tensor([r.error is None for r in rewards.results], dtype=torch.bool, device=device)
+        # Rows that were scored: no error, or an answer refused by a size cap (a verdict, scored 0).
+        valid = torch.tensor(
+            [r.error is None or is_refusal(r.error) for r in rewards.results], dtype=torch.bool, device=device
+        )
         dropped = ~valid if cfg.reward.on_error == "drop" else torch.zeros_like(valid)
         scores = rewards.scores.to(device, copy=True)
         lengths = batch.response_mask[rows].sum(dim=1)
@@ -759,6 +808,7 @@ class StepInputs:
         # e. Rollout rejection (whole responses out of the loss; their rewards stayed in their
         #    groups' statistics above), then importance-sampling weights against the rollout
         #    engine's log-probs.
+        pre_rejection = mask
         if self.rejected is not None:
             keep, _ = rejection_keep(
                 self.old[rows], batch.rollout_logprobs[rows], mask.float(), level=a.rejection,
@@ -767,6 +817,19 @@ class StepInputs:
             self.rejected[rows] = ~keep
             mask = mask * keep.unsqueeze(1).long()
             batch.response_mask[rows] = mask
+        if self.weights is not None and a.tis_batch_norm and a.tis_batch_norm_scope == "verl":
+            if self.norm_stats is None:
+                self.norm_stats = (torch.zeros_like(self.weights), torch.zeros_like(batch.response_mask))
+            # veRL's order: the batch mean is of the truncated weights over the tokens before
+            # rejection (`pre_rejection`) and before IS masking.
+            self.norm_stats[0][rows], _ = tis_weights(
+                self.old[rows],
+                batch.rollout_logprobs[rows],
+                pre_rejection.float(),
+                level=a.tis,
+                cap=a.tis_cap,
+            )
+            self.norm_stats[1][rows] = pre_rejection
         if self.weights is not None:
             self.weights[rows], _ = tis_weights(
                 self.old[rows], batch.rollout_logprobs[rows], mask.float(),
@@ -774,9 +837,17 @@ class StepInputs:
             )  # fmt: skip
 
     def normalize_weights(self, cfg: Config, batch: RolloutBatch) -> None:
-        """`algo.tis_batch_norm`: the IS weights of the whole batch divided by their mean."""
+        """`algo.tis_batch_norm`: the IS weights of the whole batch divided by their mean (over
+        what `algo.tis_batch_norm_scope` says)."""
         if self.weights is not None and cfg.algo.tis_batch_norm:
-            self.weights, _ = batch_normalize_weights(self.weights, batch.response_mask, cfg.algo.tis)
+            stat_weights, stat_mask = self.norm_stats if self.norm_stats is not None else (None, None)
+            self.weights, _ = batch_normalize_weights(
+                self.weights,
+                batch.response_mask,
+                cfg.algo.tis,
+                stat_weights=stat_weights,
+                stat_mask=stat_mask,
+            )
 
     def filler(
         self, cfg: Config, batch: RolloutBatch, deferred: DeferredRewards
@@ -886,8 +957,7 @@ def add_model_rewards(placement: RewardPlacement, batch: RolloutBatch, rewards: 
     if not any(s.reward_model.models for s in batch.samples):
         return
     failures: dict[int, tuple[str, str]] = {}
-    with placement.scoring():
-        rows = score_model_rewards(batch.samples, batch.texts, None, placement.models, failures)
+    rows = placement.score_rows(batch.samples, batch.texts, failures)
     for i, row in enumerate(rows):
         if row:
             rewards.results[i].components.update({f"model/{k}": float(v) for k, v in row.items()})
@@ -1004,7 +1074,7 @@ def make_router(cfg: Config) -> Router:
         return RemoteRouter(
             r.remote_url, time_limit_s=r.time_limit_s, plugins=r.plugins, batch_size=r.remote_batch_size
         )
-    return Router(r.num_workers, r.time_limit_s, r.plugins)
+    return Router(r.num_workers, r.time_limit_s, r.plugins, answer_limits=r.answer_limits)
 
 
 def lr_lambda(cfg: Config):

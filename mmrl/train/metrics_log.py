@@ -5,7 +5,9 @@ and the experiment trackers Weights & Biases and MLflow through their own librar
 `wandb` / `mlflow` extras, imported only when asked for). Every sink gets the same metric names,
 `group/name[/data_source]` (MLflow allows fewer characters in a name: see `mlflow_key`). The
 trackers also get the resolved config as the run's parameters and images as media (the
-training-curve PNG; flow-GRPO's evaluation grids). Their run ids are kept in
+training-curve PNG; flow-GRPO's evaluation grids), and at every held-out evaluation a table of
+sample generations (`trainer.log_generations` rows: prompt, image thumbnail, response, reward and
+each component), as veRL's and EasyR1's validation generations. Their run ids are kept in
 `<run_dir>/trackers.json`, so a run resumed from a checkpoint logs into the same tracker run.
 
     log = open_metrics_log(run_dir, cfg.trainer, config_to_dict(cfg), resume_after=None)
@@ -130,6 +132,12 @@ class MetricsLogger:
         the run's media panel, MLflow keeps it as an artifact under `key`'s folder."""
         self._to_trackers("log_image", step, key, Path(path))
 
+    def log_generations(self, step: int, rows: list[dict[str, Any]], key: str = "eval/generations") -> None:
+        """A table of sample generations (`mmrl.train.evaluation.generation_row`) at `step`: a
+        W&B table (images as thumbnails) and an MLflow table artifact `<key>/step_<n>.json`."""
+        if rows and self.trackers:
+            self._to_trackers("log_table", step, key, generations_table(rows))
+
     def _to_trackers(self, method: str, step: int, *args: Any) -> None:
         """A tracker that fails mid-run (a server gone away) is reported and dropped; the run
         goes on, `metrics.jsonl` keeps everything."""
@@ -137,6 +145,8 @@ class MetricsLogger:
             try:
                 if method == "log":
                     tracker.log(step, *args)
+                elif method == "log_table":
+                    tracker.log_table(args[0], args[1], step)
                 else:
                     tracker.log_image(args[0], args[1], step)
             except Exception as exc:  # noqa: BLE001 - any failure of a third-party client
@@ -223,8 +233,38 @@ class Tracker:
     def log_image(self, key: str, path: Path, step: int) -> None:
         raise NotImplementedError
 
+    def log_table(self, key: str, table: dict[str, list], step: int) -> None:
+        """A table (`{column: values}`; an `image` column holds PIL thumbnails) at `step`."""
+        raise NotImplementedError
+
     def close(self, status: str) -> None:
         raise NotImplementedError
+
+
+THUMBNAIL_PX = 128
+"""Longest side of the image thumbnails in the generations table."""
+
+
+def generations_table(rows: list[dict[str, Any]]) -> dict[str, list]:
+    """Generation rows as columns: data_source, id, prompt, image (a thumbnail; the column is
+    left out when a row has no image), response, ground_truth, reward, one column per reward
+    component (None where a row's verifier did not report it) and error."""
+    components = sorted({name for row in rows for name in row["components"]})
+    table: dict[str, list] = {name: [row[name] for row in rows] for name in ("data_source", "id", "prompt")}
+    if all(row["image"] is not None for row in rows):
+        table["image"] = [_thumbnail(row["image"]) for row in rows]
+    for name in ("response", "ground_truth", "reward"):
+        table[name] = [row[name] for row in rows]
+    for name in components:
+        table[f"reward/{name}"] = [row["components"].get(name) for row in rows]
+    table["error"] = [row["error"] for row in rows]
+    return table
+
+
+def _thumbnail(image):
+    image = image.convert("RGB")
+    image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+    return image
 
 
 class TrackerNotInstalled(ImportError, ValueError):
@@ -284,6 +324,14 @@ class WandbTracker(Tracker):
 
     def log_image(self, key: str, path: Path, step: int) -> None:
         self.run.log({key: self._wandb.Image(str(path), caption=path.name)}, step=step)
+
+    def log_table(self, key: str, table: dict[str, list], step: int) -> None:
+        columns = list(table)
+        data = [
+            [self._wandb.Image(v) if c == "image" else v for c, v in zip(columns, values)]
+            for values in zip(*table.values())
+        ]
+        self.run.log({key: self._wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self, status: str) -> None:
         self.run.finish(exit_code=1 if status == "failed" else 0)
@@ -391,6 +439,12 @@ class MlflowTracker(Tracker):
     def log_image(self, key: str, path: Path, step: int) -> None:
         folder = posixpath.dirname(mlflow_key(key)) or None
         self.client.log_artifact(self.run_id, str(path), artifact_path=folder)
+
+    def log_table(self, key: str, table: dict[str, list], step: int) -> None:
+        # MLflow's own table artifact (the UI's table view; images saved beside it); pandas needed.
+        self.client.log_table(
+            self.run_id, data=table, artifact_file=f"{mlflow_key(key)}/step_{step:06d}.json"
+        )
 
     def close(self, status: str) -> None:
         mlflow_status = {"finished": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED")

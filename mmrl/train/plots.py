@@ -13,8 +13,12 @@ PANELS = [
     ("held-out accuracy (greedy)", ["eval/accuracy"]),
     ("response length (tokens)", ["response/length_mean"]),
     ("entropy (nats/token)", ["actor/entropy"]),
-    ("KL", ["actor/ppo_kl", "actor/ref_kl", "rollout/kl_k3"]),
+    ("KL to the reference (actor/ref_kl)", ["actor/ref_kl"]),
+    ("policy change per update (actor/ppo_kl)", ["actor/ppo_kl"]),
+    ("rollout vs trainer log-probs (rollout/kl_k3)", ["rollout/kl_k3"]),
 ]
+"""(title, metric keys) of each panel. A panel whose metrics a run never logged is left out (no
+reference: no ref_kl); the three KL-like curves measure different things and have their own."""
 
 
 def data_sources(records: list[dict]) -> list[str]:
@@ -27,20 +31,35 @@ def data_sources(records: list[dict]) -> list[str]:
 def plot_training_curves(metrics_path: Path, out_path: Path) -> Path:
     """One panel per curve group from `metrics.jsonl`, plus one per data source (train reward
     and, dashed, greedy held-out accuracy of that source)."""
+    import matplotlib.pyplot as plt
+
+    fig = training_curves_figure(read_metrics(metrics_path))
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path
+
+
+def training_curves_figure(records: list[dict]):
+    """The figure `plot_training_curves` saves, from `metrics.jsonl`'s records."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    records = read_metrics(metrics_path)
     sources = data_sources(records)
     if len(sources) < 2:  # one source: its panel would repeat the overall curves
         sources = []
-    n = len(PANELS) + len(sources)
+    logged = {k for r in records for k, v in r.items() if v is not None}
+    panels = [(title, keys) for title, keys in PANELS if logged & set(keys)] or PANELS[:1]
+    n = len(panels) + len(sources)
+    steps = [r["step"] for r in records] or [0]
+    first, last = min(steps), max(steps)
+    pad = max(0.5, 0.03 * (last - first))
     cols = min(n, 5)
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
-    panels = PANELS + [(f"source: {s}", [f"reward/mean/{s}"]) for s in sources]
+    panels += [(f"source: {s}", [f"reward/mean/{s}"]) for s in sources]
     for ax, (title, keys) in zip(axes.flat, panels):
         for key in keys:
             _line(
@@ -57,15 +76,16 @@ def plot_training_curves(metrics_path: Path, out_path: Path) -> Path:
             ax.set_ylim(-0.02, 1.02)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
+        # Steps are whole (no 0.5 ticks on short runs), and every panel spans the run's steps.
+        ax.set_xlim(first - pad, last + pad)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         ax.grid(alpha=0.3)
         if len(ax.get_lines()) > 1:
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
-    plt.close(fig)
-    return out_path
+    return fig
 
 
 def _line(ax, records: list[dict], key: str, label: str, style: str) -> None:

@@ -30,6 +30,8 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "reward.num_workers",
         "model.cache_dir",
         "trainer.loggers",
+        "trainer.log_generations",
+        "trainer.ray_address",  # a restarted cluster may have another head
     }
 )
 """Config keys a resumed run may set differently from its checkpoint (each change is logged):

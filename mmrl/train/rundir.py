@@ -1,13 +1,24 @@
-"""The run directory: resolved config, metrics, TensorBoard events, plots, checkpoints."""
+"""The run directory: resolved config, metrics, TensorBoard events, plots, checkpoints; and its
+lock (`RunDirLock`: one writer at a time)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from mmrl.config import Config, config_to_yaml
 from mmrl.train.checkpoint import clean_stale_temporaries
 from mmrl.train.storage import check_writable, storage_errors
+
+log = logging.getLogger(__name__)
 
 
 def run_dir_path(cfg: Config) -> Path:
@@ -33,3 +44,186 @@ def create_run_dir(cfg: Config, path: Path | None = None) -> Path:
     with storage_errors("write the config to", path / "config.yaml"):
         (path / "config.yaml").write_text(config_to_yaml(cfg))
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# One writer per run directory
+# ---------------------------------------------------------------------------------------------
+
+LOCK_NAME = "run.lock"
+"""The lock file in a run directory: JSON naming the process that writes the run."""
+
+
+class RunDirInUse(ValueError):
+    """Another live process holds the run directory; the message names it and the fix."""
+
+
+def _boot_id() -> str | None:
+    """This boot of this machine's kernel (Linux), so a lock from before a reboot is stale."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (Linux `/proc/<pid>/stat`, field 22); None
+    where unknown. Tells a live holder from a new process that reuses a dead holder's pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: count after the last ")".
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds a run directory (the lock file's contents)."""
+
+    host: str
+    pid: int
+    start: str
+    """When the holder took the lock (local time, ISO 8601)."""
+    command: str
+    """What it runs (`mmrl train`, `mmrl eval`, ...)."""
+    boot_id: str | None = None
+    pid_start: int | None = None
+    """The holder process's start (`_process_start`), to detect a reused pid."""
+
+    @classmethod
+    def me(cls, command: str) -> LockHolder:
+        pid = os.getpid()
+        return cls(socket.gethostname(), pid, time.strftime("%Y-%m-%dT%H:%M:%S%z"), command,
+                   _boot_id(), _process_start(pid))  # fmt: skip
+
+    @classmethod
+    def read(cls, path: Path) -> LockHolder:
+        data = json.loads(path.read_text())
+        return cls(**{f: data.get(f) for f in ("host", "pid", "start", "command", "boot_id", "pid_start")})
+
+    def describe(self) -> str:
+        return f"{self.command} (pid {self.pid} on host {self.host}, started {self.start})"
+
+    def is_running(self) -> bool | None:
+        """True / False where this host can tell (same host), None for another host's process."""
+        if self.host != socket.gethostname():
+            return None
+        if self.boot_id and _boot_id() and self.boot_id != _boot_id():
+            return False  # the machine rebooted since
+        if not _pid_alive(self.pid):
+            return False
+        started = _process_start(self.pid)
+        return self.pid_start is None or started is None or started == self.pid_start
+
+
+class RunDirLock:
+    """The run directory's lock: `acquire` writes `run.lock` naming this process (host, pid,
+    start time, command), or refuses at once with `RunDirInUse` naming the holder and the fix;
+    a lock whose holder is gone (same host, pid not running, or the machine rebooted) is taken
+    over with a warning. `release` removes it (only if it is still this process's).
+
+    Creating, taking over and removing the lock happen under an exclusive `flock` of the folder
+    (`_guard`), so two processes starting at once cannot both take it. The lock itself is a
+    plain file, not a held `flock`: worker processes forked by the trainer inherit open files,
+    and a flock would outlive a killed trainer for as long as they do."""
+
+    def __init__(self, run_dir: Path | str, command: str, option: str = "trainer.run_dir"):
+        self.run_dir = Path(run_dir)
+        self.option = option  # what the user sets to choose another folder
+        self.path = self.run_dir / LOCK_NAME
+        self.command = command
+        self.holder: LockHolder | None = None
+
+    @contextlib.contextmanager
+    def _guard(self):
+        """An exclusive `flock` of the run directory itself, held for a few file operations. A
+        file system that cannot lock a directory (NFS takes only locks of files open for writing)
+        gets a guard file beside the lock instead, which then stays in the folder."""
+        fd = os.open(self.run_dir, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                with open(self.run_dir / f".{LOCK_NAME}.guard", "a") as guard:
+                    fcntl.flock(guard, fcntl.LOCK_EX)
+                    yield
+                return
+            yield
+        finally:
+            os.close(fd)  # and with it the flock
+
+    def acquire(self) -> RunDirLock:
+        with storage_errors("take the lock of", self.path):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with self._guard():
+                if self.path.exists():
+                    self._refuse_or_take_over()
+                me = LockHolder.me(self.command)
+                tmp = self.path.with_name(f".{LOCK_NAME}.{me.pid}")
+                tmp.write_text(json.dumps(dataclasses.asdict(me)))
+                os.replace(tmp, self.path)
+                self.holder = me
+        return self
+
+    def _refuse_or_take_over(self) -> None:
+        try:
+            holder = LockHolder.read(self.path)
+        except (OSError, ValueError, TypeError) as exc:
+            raise RunDirInUse(
+                f"{self.run_dir} is locked by {self.path}, which cannot be read ({exc}); if no run is using "
+                f"this folder, delete {self.path}, or choose another {self.option}"
+            ) from None
+        running = holder.is_running()
+        if running is False:
+            log.warning("%s: taking over the lock of %s, which is no longer running", self.run_dir,
+                        holder.describe())  # fmt: skip
+            return
+        where = "" if running else f" (on another host: this one, {socket.gethostname()}, cannot see it)"
+        raise RunDirInUse(
+            f"{self.run_dir} is in use by {holder.describe()}{where}: one run writes a run directory at a "
+            f"time. Wait for it to finish or stop it (then continue it with --resume auto), or choose "
+            f"another {self.option}. If that process is gone, delete {self.path}."
+        )
+
+    def in_use(self) -> str | None:
+        """Why `acquire` would refuse this folder now (a live holder, an unreadable lock), or
+        None: a read-only look, for checks that report every problem before anything starts."""
+        if not self.path.exists():
+            return None
+        try:
+            self._refuse_or_take_over()
+        except RunDirInUse as exc:
+            return str(exc)
+        return None
+
+    def release(self) -> None:
+        """Remove the lock if it is still this process's."""
+        if self.holder is None:
+            return
+        with contextlib.suppress(OSError), self._guard():
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                if LockHolder.read(self.path) == self.holder:
+                    self.path.unlink()
+        self.holder = None
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def hold_run_dir(run_dir: Path | str, command: str) -> RunDirLock:
+    """`with hold_run_dir(path, "mmrl train"):` the run directory's lock for the block."""
+    return RunDirLock(run_dir, command)

@@ -7,7 +7,9 @@ Names are `group/name` overall and `group/name/<data_source>` per source:
   `correct` and `wrong` responses (`response/length_mean/correct`, ...);
 - `reflection/ratio` (responses with a reflection word), `reflection/ratio_in_correct`,
   `reflection/ratio_in_wrong`, `reflection/accuracy` (accuracy of reflective responses);
-- `verifier/errors`, `verifier/timeouts` (also per `verifier/data_source`).
+- `verifier/errors`, `verifier/timeouts` (also per `verifier/data_source`), and
+  `verifier/rejected_answers` (errors of answers past a size cap, also per kind:
+  `verifier/rejected_answers/answer_too_long`, ...; `reward.answer_limits`).
 
 A response is *correct* when its `accuracy` component is at least 0.5 (1 for binary verifiers;
 graded ones like detection count as correct past half credit).
@@ -16,12 +18,13 @@ graded ones like detection count as correct past half credit).
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
 from mmrl.router import RewardBatch
 from mmrl.types import RolloutBatch
+from mmrl.verifiers.limits import answer_limit_kind
 
 REFLECTION_WORDS = (
     "wait",
@@ -70,6 +73,11 @@ def step_metrics(
         metrics[f"verifier/errors/{key}"] = float(count)
     for key, count in rewards.timeouts.items():
         metrics[f"verifier/timeouts/{key}"] = float(count)
+    rejected = Counter(answer_limit_kind(r.error) for r in rewards.results if r.error is not None)
+    rejected.pop(None, None)
+    metrics["verifier/rejected_answers"] = float(sum(rejected.values()))
+    for kind, count in sorted(rejected.items()):
+        metrics[f"verifier/rejected_answers/{kind}"] = float(count)
 
     lengths = batch.response_mask.sum(dim=1).float().tolist()
     truncated = batch.truncated.float().tolist()
@@ -83,14 +91,36 @@ def step_metrics(
     return metrics
 
 
+def component_means(rows: list[int], batch: RolloutBatch, rewards: RewardBatch) -> dict[str, float]:
+    """`{component: mean}` over the rows that can have it: every row scored without error by a
+    verifier that reported the component in one of `rows`, counting 0 where it left it out (the
+    math verifier reports `malformed` only when an answer is malformed: averaging over the rows
+    that report it read 1.0 whatever the share). Model rewards (`model/<name>`) average over the
+    rows whose samples asked for them, the rows that have them."""
+    verifier = [batch.samples[i].reward_model.verifier for i in range(len(batch.samples))]
+    scored = [i for i in rows if rewards.results[i].error is None]
+    reporters: dict[str, set[str]] = defaultdict(set)
+    for i in scored:
+        for name in rewards.results[i].components:
+            reporters[name].add(verifier[i])
+    means = {}
+    for name, verifiers in reporters.items():
+        if name.startswith("model/"):
+            values = [
+                rewards.results[i].components[name] for i in rows if name in rewards.results[i].components
+            ]
+        else:
+            values = [
+                rewards.results[i].components.get(name, 0.0) for i in scored if verifier[i] in verifiers
+            ]
+        means[name] = sum(float(v) for v in values) / len(values)
+    return means
+
+
 def _group_metrics(rows, batch, rewards, lengths, truncated, suffix: str) -> dict[str, float]:
     out: dict[str, float] = {f"reward/mean{suffix}": float(rewards.scores[rows].mean())}
-    components: dict[str, list[float]] = defaultdict(list)
-    for i in rows:
-        for name, value in rewards.results[i].components.items():
-            components[name].append(float(value))
-    for name, values in components.items():
-        out[f"reward/{name}{suffix}"] = sum(values) / len(values)
+    for name, mean in component_means(rows, batch, rewards).items():
+        out[f"reward/{name}{suffix}"] = mean
     accuracy = [rewards.results[i].components.get("accuracy", rewards.results[i].score) for i in rows]
     correct = [i for i, a in zip(rows, accuracy) if a >= CORRECT_THRESHOLD]
     wrong = [i for i, a in zip(rows, accuracy) if a < CORRECT_THRESHOLD]
