@@ -17,8 +17,12 @@ in the six colours of the VLM's procedural data on a light grey background, plac
 counts are countable (distinct cells of a 2x2 grid) and relations hold with a margin.
 
 `geneval_prompts(split)` gives the built-in prompts, deterministic: `heldout` (what training is
-judged on) is a fixed sample of the prompt space disjoint from `train`; `validation` (what the
-warm-up stops on) is a sample of the training prompts.
+judged on) is disjoint from `train`: every prompt with one of the `WITHHELD_PAIRS` colour-shape
+combinations (compositional generalisation: "a red square" when red and squares were each seen,
+never together), and a fixed share of the other count and position prompts (counts and
+relations never trained). Nothing of `heldout` is drawn by the image base's warm-up either (it
+draws `train`). `validation` (what the warm-up stops on, and the training-prompt accuracy of a
+run) is a sample of the training prompts.
 """
 
 from __future__ import annotations
@@ -202,10 +206,26 @@ def all_specs(kinds: tuple[str, ...] | list[str] = DEFAULT_KINDS) -> list[ImageS
     return out
 
 
+WITHHELD_PAIRS = (
+    ("red", "square"),
+    ("green", "circle"),
+    ("blue", "triangle"),
+    ("yellow", "circle"),
+    ("purple", "square"),
+    ("cyan", "triangle"),
+)
+"""Colour-shape combinations never trained on (nor drawn by the image base's warm-up): one per
+colour, two per shape, so every colour and every shape is still trained, in other combinations.
+Every prompt with one of them is held out (the 6 such single-object prompts of 18, their count
+prompts, the relations they take part in)."""
 HELDOUT_FRACTION = {"single": 0.0, "count": 0.25, "position": 0.1, "text": 0.25}
-"""Share of each kind's prompts held out from training (`single`: none, there are 18; the
-held-out single prompts are then the training ones with other seeds, as GenEval's single-object
-prompts are what every other kind builds on)."""
+"""Share of each kind's other prompts (no withheld pair) also held out: counts and relations of
+trained combinations that are never trained (`single`: none beyond the withheld pairs)."""
+
+
+def withheld(spec: ImageSpec) -> bool:
+    """Whether `spec` has an object of a withheld colour-shape combination (`WITHHELD_PAIRS`)."""
+    return any((o.colour, o.shape) in WITHHELD_PAIRS for o in spec.objects)
 
 
 def geneval_prompts(
@@ -213,11 +233,12 @@ def geneval_prompts(
 ) -> list[str]:
     """The built-in prompts of `split` (`train`, `validation` or `heldout`), deterministic.
 
-    Per kind, a seeded shuffle of its prompts; the first `HELDOUT_FRACTION` of them are
-    `heldout`, the rest `train` (`single`: all of them in both). `validation` is a seeded sample
-    of the training prompts. `heldout` and `validation` interleave the kinds (so a prefix of
-    them covers every kind, each equally often: a kind with fewer prompts repeats them); `n`
-    keeps the first n (default: as many as the split has prompts)."""
+    Per kind: every prompt with a withheld colour-shape pair (`WITHHELD_PAIRS`) is `heldout`;
+    of the others, after a seeded shuffle, the first `HELDOUT_FRACTION` are `heldout` too and
+    the rest `train`. `validation` is a seeded sample of the training prompts. `heldout` and
+    `validation` interleave the kinds (so a prefix of them covers every kind, each equally often:
+    a kind with fewer prompts repeats them); `n` keeps the first n (default: as many as the split
+    has prompts)."""
     if split not in ("train", "validation", "heldout"):
         raise ValueError(f"unknown GenEval split {split!r}: choose train, validation or heldout")
     unknown = [k for k in kinds if k not in KINDS]
@@ -225,15 +246,17 @@ def geneval_prompts(
         raise ValueError(f"unknown GenEval kind(s) {unknown}: choose from {list(KINDS)}")
     per_kind = []
     for kind in kinds:
-        prompts = [prompt_text(s) for s in all_specs((kind,))]
+        specs = all_specs((kind,))
+        novel = [prompt_text(s) for s in specs if withheld(s)]
+        rest = [prompt_text(s) for s in specs if not withheld(s)]
         k = KINDS.index(kind)  # a kind's split does not depend on which other kinds are asked for
         rng = np.random.default_rng([seed, k, 7])
-        prompts = [prompts[i] for i in rng.permutation(len(prompts))]
-        cut = int(round(HELDOUT_FRACTION[kind] * len(prompts)))
+        rest = [rest[i] for i in rng.permutation(len(rest))]
+        cut = int(round(HELDOUT_FRACTION[kind] * len(rest)))
         if split == "heldout":
-            per_kind.append(prompts[:cut] if cut else prompts)
+            per_kind.append(novel + rest[:cut])
         else:
-            train = prompts[cut:]
+            train = rest[cut:]
             if split == "validation":
                 train = [train[i] for i in np.random.default_rng([seed, k, 11]).permutation(len(train))]
             per_kind.append(train)

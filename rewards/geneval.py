@@ -6,8 +6,8 @@ an object prompt ("two red circles", "a blue square left of a green triangle") i
 and position, times `clean`), a text prompt (`the text "cat"`) by the OCR reward (`ocr`, built
 on first use: rapidocr loads its models then). Components: `correct` (GenEval's strict verdict;
 the OCR reward's exact match for text), and the verifier's `colour`, `count`, `shape`,
-`shape_fit`, `position`, `clean` (NaN for text prompts: they do not apply there, and a 1 would inflate a
-mixed batch's means of them; average them with `nanmean`).
+`shape_fit`, `position`, `clean`, `noise` (NaN for text prompts: they do not apply there, and a 1
+would inflate a mixed batch's means of them; average them with `nanmean`).
 
 It runs on the host (image analysis in NumPy), whatever device it is configured with. A prompt
 outside the grammar is a `RewardModelError` naming it (the trainer counts the batch as failed
@@ -30,7 +30,9 @@ from mmrl.rewards.base import (
     register_reward_model,
 )
 
-PARTS = ("correct", "colour", "count", "shape", "shape_fit", "position", "clean")
+PARTS = ("correct", "colour", "count", "shape", "shape_fit", "position", "clean", "noise")
+NOISE_UNIT = 10.0
+"""Grey levels of background noise (the verifier's `noise`) that cost `background` reward."""
 
 
 @register_reward_model("geneval")
@@ -45,6 +47,7 @@ class GenEvalReward(RewardModel):
         strict: bool = False,
         shape_fit: float = 0.0,
         correct: float = 0.0,
+        background: float = 0.0,
         device: str | torch.device = "cpu",
     ):
         """`strict`: the reward is GenEval's 0/1 `correct` instead of the partial credit.
@@ -53,12 +56,18 @@ class GenEvalReward(RewardModel):
         even while the verdict is still wrong (the verdict and `correct` are unchanged). With
         `strict` the term is added to the 0/1 verdict the same way. `correct`: add this weight
         times the strict 0/1 verdict to the partial credit (not with `strict`, whose score the
-        verdict already is), so that crossing into "right" is worth more than one more credit."""
+        verdict already is), so that crossing into "right" is worth more than one more credit.
+        `background`: subtract this weight times the background noise (the verifier's `noise`,
+        the standard deviation of the background pixels away from the objects) in units of
+        `NOISE_UNIT` grey levels, so that speckle and smears cost reward (none of the credits
+        sees them: they stay under the foreground distance)."""
         super().__init__("cpu")
         if shape_fit < 0:
             raise ValueError(f"geneval: shape_fit must be >= 0, got {shape_fit}")
         if correct < 0:
             raise ValueError(f"geneval: correct must be >= 0, got {correct}")
+        if background < 0:
+            raise ValueError(f"geneval: background must be >= 0, got {background}")
         if strict and correct:
             raise ValueError(
                 "geneval: correct is a bonus on the partial credit; with strict the verdict is the score"
@@ -66,6 +75,7 @@ class GenEvalReward(RewardModel):
         self.strict = strict
         self.shape_fit = float(shape_fit)
         self.correct = float(correct)
+        self.background = float(background)
         self._ocr = None
 
     def accepts_prompt(self, prompt: str) -> bool:
@@ -107,6 +117,7 @@ class GenEvalReward(RewardModel):
             scores[i] = found["correct"] if self.strict else found["accuracy"]
             scores[i] += self.shape_fit * found["shape_fit"] * found["clean"]
             scores[i] += self.correct * found["correct"]
+            scores[i] -= self.background * found["noise"] / NOISE_UNIT
             for k in PARTS:
                 parts[k][i] = found[k]
         if text_rows:

@@ -466,3 +466,38 @@ def test_reward_components_are_averaged_for_the_log():
         "reward/geneval/colour": 0.5,
         "reward/geneval/objects": 3.0,
     }
+
+
+def test_flow_curves_show_accuracy_and_noise_and_leave_out_empty_panels(tmp_path):
+    """The curves of a GenEval run without KL: held-out and training accuracy (with their
+    intervals) and the noise statistic have panels; the KL panel, with nothing to show, is left
+    out (one 400-pixel column per panel)."""
+    from PIL import Image
+
+    from mmrl.train.plots import FLOW_PANELS, panels_with_data, plot_flow_curves
+
+    rows = [{"step": 0, "eval/reward/mean": 0.5}]
+    for step in (0, 10):
+        rows[0 if step == 0 else -1].update(
+            {
+                "eval/geneval/accuracy": 0.5 + step / 100,
+                "eval/geneval/accuracy_low": 0.45,
+                "eval/geneval/accuracy_high": 0.55 + step / 100,
+                "eval/geneval/train/accuracy": 0.7,
+                "eval/geneval/edge_noise": 7.0 + step / 10,
+            }
+        )
+        rows.append({"step": step + 1, "reward/mean": 1.0, "actor/approx_kl": 0.01, "actor/grad_norm": 0.3})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    titles = [title for title, _ in panels_with_data(rows, FLOW_PANELS)]
+    assert titles == [
+        "reward",
+        "GenEval strict accuracy (95% interval)",
+        "image noise (grey levels)",
+        "policy ratio",
+        "grad norm",
+    ]
+    out = plot_flow_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+    assert Image.open(out).size[0] == 400 * len(titles)
+    rows[1]["actor/kl"] = 0.002  # with a KL to the reference, its panel is there
+    assert "KL to reference" in [title for title, _ in panels_with_data(rows, FLOW_PANELS)]

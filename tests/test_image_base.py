@@ -23,6 +23,7 @@ from mmrl.models.image_base import (
 from mmrl.models.tiny_diffusion import build_tiny_pipeline, build_word_tokenizer
 from mmrl.rewards import get_reward_model
 from mmrl.rewards.base import RewardModelError
+from mmrl.stats import wilson_interval
 from mmrl.train.flow_config import load_flow_config
 from mmrl.verifiers.geneval import prompt_following
 
@@ -99,9 +100,24 @@ def test_warm_up_is_reproducible_cached_and_leaves_the_rng_alone(quick_cache):
     assert image_base_key(SPEC, other, 8) != image_base_key(SPEC, QUICK, 8)
 
 
-def test_warm_up_never_sees_held_out_prompts():
-    heldout = {p for p in geneval_prompts("heldout") if parse_prompt(p).kind != "single"}
-    assert not heldout & set(geneval_prompts("train")) and not heldout & set(geneval_prompts("validation"))
+def test_warm_up_never_sees_held_out_prompts(monkeypatch):
+    """The warm-up draws training prompts only: every prompt it draws or validates on, recorded
+    during a short warm-up of every kind, is outside the held-out split (whose single-object
+    prompts are the withheld colour-shape pairs)."""
+    from mmrl.datasets import geneval
+
+    kinds = ("single", "count", "position")
+    heldout = set(geneval_prompts("heldout", kinds))
+    assert {"a red square", "two red squares"} <= heldout
+    drawn, parse = [], geneval.parse_prompt
+    monkeypatch.setattr(geneval, "parse_prompt", lambda p: drawn.append(p) or parse(p))
+    warm_up_image_base(
+        SPEC,
+        ImageWarmupConfig(
+            max_steps=3, batch_size=64, eval_every=3, eval_size=24, eval_num_steps=1, kinds=list(kinds)
+        ),
+    )
+    assert len(set(drawn)) > 50 and not set(drawn) & heldout
 
 
 def test_geneval_reward_scores_drawings_and_names_bad_prompts():
@@ -138,6 +154,7 @@ def test_text_to_image_trains_the_image_base_and_reports_heldout_accuracy(tmp_pa
             "trainer.total_steps=1",
             "trainer.prompts_per_step=2",
             "trainer.eval_size=3",
+            "trainer.train_eval_size=4",
             "trainer.progress=false",
             "trainer.save_final=false",
             "sample.group_size=2",
@@ -147,15 +164,27 @@ def test_text_to_image_trains_the_image_base_and_reports_heldout_accuracy(tmp_pa
     )
     result = run_text_to_image(cfg)
     assert result.start_accuracy is not None and result.final_accuracy is not None
-    assert "held-out GenEval accuracy" in result.summary_line()
     records = read_metrics(result.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records if "eval/geneval/accuracy" in r] == [0, 1]
+    # held-out and training-prompt accuracy side by side, each with its size and Wilson interval,
+    # in the log and in the final line, with the images' edge noise
+    line = result.summary_line()
+    for r, figures in ((records[0], result.start_eval), (records[-1], result.final_eval)):
+        for prefix, name, n in (("eval/geneval/", "", 3), ("eval/geneval/train/", "train_", 4)):
+            accuracy, n_seen = r[f"{prefix}accuracy"], r[f"{prefix}n"]
+            low, high = wilson_interval(round(accuracy * n_seen), int(n_seen))
+            assert n_seen == n and (r[f"{prefix}accuracy_low"], r[f"{prefix}accuracy_high"]) == (low, high)
+            assert figures[f"{name}accuracy"] == accuracy and figures[f"{name}n"] == n
+            assert f"{accuracy:.1%} [{100 * low:.1f}-{100 * high:.1f}]" in line
+        assert r["eval/geneval/edge_noise"] >= 0 and f"{figures['edge_noise']:.1f}" in line
+    assert "held-out GenEval accuracy" in line and "training prompts" in line and "3 images each" in line
     step1 = next(r for r in records if r["step"] == 1)
     assert "reward/geneval/mean" in step1
     # each attribute's mean over the batch is logged (what RL is, and is not, improving)
     for part in ("correct", "colour", "count", "shape", "shape_fit", "position", "clean"):
         assert 0.0 <= step1[f"reward/geneval/{part}"] <= 1.0, part
         assert f"eval/reward/geneval/{part}" in records[0], part
+    assert step1["reward/geneval/noise"] >= 0.0
     assert sorted(p.name for p in (result.run_dir / "images").glob("*.png")) == [
         "eval_step_00000.png",
         "eval_step_00001.png",

@@ -9,9 +9,10 @@ SD3 (Esser et al., 2024) on procedurally drawn images of GenEval-style prompts
 (`mmrl.datasets.geneval`): for a drawing x0, noise e and sigma from the logit-normal
 distribution (shifted like the scheduler), x_t = (1 - sigma) x0 + sigma e, and the transformer's
 velocity is regressed on e - x0; the text encoders train with it, and a share of the prompts is
-replaced by the empty prompt (so classifier-free guidance is possible later). Every `eval_every`
-steps the deterministic ODE sampler draws the validation prompts (a sample of the training
-prompts, never the held-out ones RL is judged on) and the `geneval` rules score them; the
+replaced by the empty prompt (so classifier-free guidance is possible later). It draws only
+training prompts (`geneval_prompts("train")`): no held-out prompt, so no withheld colour-shape
+pair, is ever drawn. Every `eval_every` steps the deterministic ODE sampler draws the validation
+prompts (a sample of the training prompts) and the `geneval` rules score them; the
 warm-up stops at the first evaluation at or above `target_accuracy` (or after `max_steps`):
 clearly imperfect, but following prompts sometimes. What is evaluated and saved is an EMA of the
 weights (`ema_decay`).
@@ -39,9 +40,10 @@ from mmrl.models.tiny_diffusion import TinyDiffusionSpec, build_tiny_pipeline
 
 log = logging.getLogger(__name__)
 
-IMAGE_BASE_VERSION = 2
+IMAGE_BASE_VERSION = 3
 """Part of the cache key: bump it when the warm-up recipe changes (2: the `geneval` verifier that
-decides when the warm-up stops names shapes by moment-matched templates)."""
+decides when the warm-up stops names shapes by moment-matched templates; 3: the warm-up draws no
+prompt of a withheld colour-shape pair, and the rebuilt verifier decides when it stops)."""
 
 
 @dataclass

@@ -62,10 +62,11 @@ from mmrl.train.flow_grpo import (
     choose_trained_steps,
     compute_advantages,
     create_run_dir,
+    describe_eval,
+    eval_figures,
     flow_model_path,
     flow_precision,
     make_flow_trainee,
-    plot_flow_curves,
     recompute_log_probs,
     rollout,
     save_grid,
@@ -75,6 +76,7 @@ from mmrl.train.flow_grpo import (
     update_policy,
 )
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
+from mmrl.train.plots import plot_flow_curves
 from mmrl.train.rundir import hold_run_dir
 
 log = logging.getLogger(__name__)
@@ -537,16 +539,18 @@ def _run_decoupled(cfg: DecoupledConfig) -> FlowTrainResult:
         grid = save_grid(images, run_dir / "images" / f"eval_step_{step:05d}.png")
         (run_dir / "images" / f"eval_step_{step:05d}.json").write_text(json.dumps(cells, indent=1))
         metrics_log.log_image("eval/images", grid, step)
-        accuracy = metrics.get("eval/geneval/accuracy")
+        figures = eval_figures(metrics)
         log.info(
             "step %d: planner reward %.4f, plan accuracy %.3f, decoder reward %.4f%s",
             step, metrics["eval/planner/reward/mean"], metrics["eval/planner/plan_accuracy"],
             metrics.get("eval/decoder/reward/mean", float("nan")),
-            "" if accuracy is None else f", GenEval accuracy {accuracy:.3f}",
+            "" if figures is None else "; " + describe_eval(figures),
         )  # fmt: skip
         if step == 0:
-            progress.start_accuracy = accuracy
-        progress.final_accuracy = accuracy
+            progress.start_accuracy = metrics.get("eval/geneval/accuracy")
+            progress.start_eval = figures
+        progress.final_accuracy = metrics.get("eval/geneval/accuracy")
+        progress.final_eval = figures
         return metrics["eval/planner/reward/mean"]
 
     stop = StopRequest()
@@ -583,6 +587,7 @@ def _run_decoupled(cfg: DecoupledConfig) -> FlowTrainResult:
     result = FlowTrainResult(
         run_dir, p.start_reward, p.final_reward, p.best_reward, p.step, time.monotonic() - t_start,
         interrupted=stop.requested, start_accuracy=p.start_accuracy, final_accuracy=p.final_accuracy,
+        start_eval=p.start_eval, final_eval=p.final_eval,
     )  # fmt: skip
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
     summary["model_path"] = str(model_path)

@@ -75,6 +75,9 @@ class FlowProgress:
     start_accuracy: float | None = None
     """Held-out GenEval-style accuracy at step 0 (None: the prompts are not GenEval-style)."""
     final_accuracy: float | None = None
+    start_eval: dict | None = None
+    """The GenEval figures of step 0's evaluation (`mmrl.train.flow_grpo.eval_figures`)."""
+    final_eval: dict | None = None
 
 
 class _Weights:

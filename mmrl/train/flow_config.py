@@ -225,6 +225,10 @@ class FlowTrainerConfig:
     """Steps between ODE evaluations (also at step 0 and at the end); 0: only those two."""
     eval_size: int = 8
     """Evaluation prompts (one image each, fixed seed; the grid PNG shows them)."""
+    train_eval_size: int = 0
+    """Training prompts also evaluated at every evaluation (one image each, another fixed seed),
+    when the prompts are GenEval-style: their strict accuracy is reported beside the held-out
+    one (`eval/geneval/train/*`). 0: none."""
     ema: bool = True
     """Keep an EMA of the trainable weights and evaluate / save it."""
     ema_decay: float = 0.9
@@ -354,6 +358,7 @@ class FlowConfig:
             ),
             (0 < t.ema_decay < 1 and t.ema_every >= 1, "trainer.ema_decay must be in (0, 1), ema_every >= 1"),
             (t.eval_size >= 1, "trainer.eval_size must be >= 1"),
+            (t.train_eval_size >= 0, "trainer.train_eval_size must be >= 0"),
             (t.total_steps >= 1, "trainer.total_steps must be >= 1"),
             (t.eval_every >= 0, "trainer.eval_every must be >= 0"),
             (t.checkpoint_every >= 0, "trainer.checkpoint_every must be >= 0 (0: only at the end)"),

@@ -58,7 +58,8 @@ from mmrl.train.flow_checkpoint import (
     write_flow_dump,
 )
 from mmrl.train.flow_config import FlowConfig, flow_config_dict, flow_config_to_yaml
-from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log, read_metrics
+from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
+from mmrl.train.plots import plot_flow_curves
 from mmrl.train.rundir import hold_run_dir
 from mmrl.train.schedule import schedule_factor
 
@@ -82,6 +83,10 @@ class FlowTrainResult:
     """Held-out GenEval-style accuracy of the starting pipeline (None: not GenEval-style prompts)."""
     final_accuracy: float | None = None
     """Held-out GenEval-style accuracy of the final weights."""
+    start_eval: dict[str, float] | None = None
+    """The first evaluation's GenEval figures (`eval_figures`; None: not GenEval-style prompts)."""
+    final_eval: dict[str, float] | None = None
+    """The last evaluation's GenEval figures."""
 
     def summary_line(self, task: str = "text_to_image") -> str:
         """The line `mmrl train --task <task>` ends with."""
@@ -91,16 +96,61 @@ class FlowTrainResult:
                 f"{task} trainer.run_dir={self.run_dir} --resume auto ..."
             )
         accuracy = ""
-        if self.start_accuracy is not None and self.final_accuracy is not None:
-            accuracy = (
-                f"held-out GenEval accuracy {self.start_accuracy:.1%} -> {self.final_accuracy:.1%} "
-                f"({100 * (self.final_accuracy - self.start_accuracy):+.1f} points); "
-            )
+        if self.start_eval and self.final_eval:
+            accuracy = describe_figures(self.start_eval, self.final_eval) + "; "
         return (
             f"done in {self.seconds:.0f}s: {accuracy}eval reward {self.start_reward:.4f} -> "
             f"{self.final_reward:.4f} ({self.final_reward - self.start_reward:+.4f}; best "
             f"{self.best_reward:.4f}); run directory {self.run_dir}"
         )
+
+
+def eval_figures(metrics: dict[str, float]) -> dict[str, float] | None:
+    """What the final line reports of one evaluation's metrics: held-out strict accuracy, its
+    Wilson 95% interval and size (`accuracy`, `low`, `high`, `n`), the same on training prompts
+    (`train_*`, when they were evaluated) and the held-out images' `edge_noise`; None without
+    GenEval-style held-out prompts."""
+    if "eval/geneval/accuracy" not in metrics:
+        return None
+    out = {}
+    for prefix, name in (("eval/geneval/", ""), ("eval/geneval/train/", "train_")):
+        if f"{prefix}accuracy" in metrics:
+            out[f"{name}accuracy"] = metrics[f"{prefix}accuracy"]
+            out[f"{name}low"] = metrics[f"{prefix}accuracy_low"]
+            out[f"{name}high"] = metrics[f"{prefix}accuracy_high"]
+            out[f"{name}n"] = metrics[f"{prefix}n"]
+    out["edge_noise"] = metrics.get("eval/geneval/edge_noise", float("nan"))
+    return out
+
+
+def _interval(f: dict[str, float], name: str = "") -> str:
+    return f"{f[name + 'accuracy']:.1%} [{100 * f[name + 'low']:.1f}-{100 * f[name + 'high']:.1f}]"
+
+
+def describe_eval(f: dict[str, float]) -> str:
+    """One evaluation's `eval_figures` in words (the log line of each evaluation)."""
+    parts = [f"held-out GenEval accuracy {_interval(f)} ({int(f['n'])} images)"]
+    if "train_accuracy" in f:
+        parts.append(f"training prompts {_interval(f, 'train_')} ({int(f['train_n'])} images)")
+    parts.append(f"edge noise {f['edge_noise']:.1f}")
+    return ", ".join(parts)
+
+
+def describe_figures(start: dict[str, float], final: dict[str, float]) -> str:
+    """'held-out GenEval accuracy a% [lo-hi] -> b% [lo-hi] (+x points; n images each); training
+    prompts ...; edge noise u -> v' from two `eval_figures` (the brackets: Wilson 95% intervals)."""
+
+    def change(name: str, what: str) -> str:
+        n0, n1 = int(start[name + "n"]), int(final[name + "n"])
+        sizes = f"{n1} images each" if n0 == n1 else f"{n0} and {n1} images"
+        gain = 100 * (final[name + "accuracy"] - start[name + "accuracy"])
+        return f"{what} {_interval(start, name)} -> {_interval(final, name)} ({gain:+.1f} points; {sizes})"
+
+    parts = [change("", "held-out GenEval accuracy")]
+    if "train_accuracy" in start and "train_accuracy" in final:
+        parts.append(change("train_", "training prompts"))
+    parts.append(f"edge noise {start['edge_noise']:.1f} -> {final['edge_noise']:.1f}")
+    return "; ".join(parts)
 
 
 class Reference:
@@ -172,6 +222,7 @@ def _run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
     if cfg.trainer.threads > 0:
         torch.set_num_threads(cfg.trainer.threads)
     train_prompts, eval_prompts = load_prompts(cfg)
+    train_eval_prompts = training_eval_prompts(cfg, train_prompts)
     sampler_order = PromptOrder(train_prompts, cfg.trainer.seed)
     checkpoint = None
     if cfg.trainer.resume:  # the checkpoint and its config are checked before anything is written
@@ -205,18 +256,20 @@ def _run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
     total = cfg.trainer.total_steps
 
     def run_eval(step: int) -> float:
-        metrics, images = evaluate(cfg, t, eval_prompts)
+        metrics, images = evaluate(cfg, t, eval_prompts, train_eval_prompts)
         metrics_log.log(step, metrics)
         grid = save_grid(images, run_dir / "images" / f"eval_step_{step:05d}.png")
         metrics_log.log_image("eval/images", grid, step)
-        accuracy = metrics.get("eval/geneval/accuracy")
+        figures = eval_figures(metrics)
         log.info(
             "step %d: eval reward %.4f%s", step, metrics["eval/reward/mean"],
-            "" if accuracy is None else f", GenEval accuracy {accuracy:.3f}",
+            "" if figures is None else "; " + describe_eval(figures),
         )  # fmt: skip
         if step == 0:
-            progress.start_accuracy = accuracy
-        progress.final_accuracy = accuracy
+            progress.start_accuracy = metrics.get("eval/geneval/accuracy")
+            progress.start_eval = figures
+        progress.final_accuracy = metrics.get("eval/geneval/accuracy")
+        progress.final_eval = figures
         return metrics["eval/reward/mean"]
 
     # 3. The loop: one flow-GRPO step per rollout batch, ODE evaluation every `eval_every` steps,
@@ -262,6 +315,7 @@ def _run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
     result = FlowTrainResult(
         run_dir, p.start_reward, p.final_reward, p.best_reward, p.step, time.monotonic() - t_start,
         interrupted=stop.requested, start_accuracy=p.start_accuracy, final_accuracy=p.final_accuracy,
+        start_eval=p.start_eval, final_eval=p.final_eval,
     )  # fmt: skip
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
     summary["model_path"] = str(model_path)
@@ -728,32 +782,67 @@ def learning_rate(cfg: FlowConfig, updates: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(cfg: FlowConfig, t: FlowTrainee, prompts: list[str]) -> tuple[dict[str, float], torch.Tensor]:
-    """ODE-only sampling (no SDE step) with `eval_num_steps`, a fixed seed and the EMA weights."""
+def evaluate(
+    cfg: FlowConfig, t: FlowTrainee, prompts: list[str], train_prompts: Sequence[str] = ()
+) -> tuple[dict[str, float], torch.Tensor]:
+    """ODE-only sampling (no SDE step) with `eval_num_steps`, a fixed seed and the EMA weights:
+    the evaluation prompts' rewards (`eval/reward/*`) and, on GenEval-style prompts, their strict
+    accuracy with its Wilson 95% interval, per kind, and the images' noise (`eval/geneval/*`,
+    `mmrl.verifiers.geneval.prompt_following`); the same GenEval figures of `train_prompts`
+    (another seed) as `eval/geneval/train/*`. Returns the metrics and the evaluation images."""
+    from mmrl.verifiers.geneval import prompt_following
+
+    images = ode_images(cfg, t, list(prompts), cfg.trainer.seed + 12345)
+    _, reward_metrics = score_images(cfg, t, images, list(prompts))
+    metrics = {f"eval/{k}": v for k, v in reward_metrics.items()}
+    if geneval_style(prompts):
+        metrics.update({f"eval/geneval/{k}": v for k, v in prompt_following(images, list(prompts)).items()})
+    if train_prompts:
+        seen = ode_images(cfg, t, list(train_prompts), cfg.trainer.seed + 23456)
+        metrics.update(
+            {f"eval/geneval/train/{k}": v for k, v in prompt_following(seen, list(train_prompts)).items()}
+        )
+    return metrics, images
+
+
+@torch.no_grad()
+def ode_images(cfg: FlowConfig, t: FlowTrainee, prompts: list[str], seed: int) -> torch.Tensor:
+    """[N, 3, H, W] images of `prompts`: the ODE sampler with `eval_num_steps`, the EMA weights,
+    noise from `seed`, in chunks of `sample.batch_size` (0: all at once)."""
     s = cfg.sample
     gs = s.eval_guidance_scale if s.eval_guidance_scale is not None else s.guidance_scale
     t.transformer.eval()
-    gen = torch.Generator().manual_seed(cfg.trainer.seed + 12345)
+    gen = torch.Generator().manual_seed(seed)
+    chunk = s.batch_size or len(prompts)
+    parts = []
     with t.ema.applied() if t.ema is not None else _nothing():
-        traj = t.sampler.sample(
-            list(prompts),
-            num_steps=s.eval_num_steps,
-            height=s.resolution,
-            width=s.resolution,
-            guidance_scale=gs,
-            generator=gen,
-            sde_steps=(),
-            negative_prompt=s.negative_prompt,
-        )
-    _, reward_metrics = score_images(cfg, t, traj.images, list(prompts))
-    metrics = {f"eval/{k}": v for k, v in reward_metrics.items()}
-    if geneval_style(prompts):
-        from mmrl.verifiers.geneval import prompt_following
+        for i in range(0, len(prompts), chunk):
+            traj = t.sampler.sample(
+                prompts[i : i + chunk],
+                num_steps=s.eval_num_steps,
+                height=s.resolution,
+                width=s.resolution,
+                guidance_scale=gs,
+                generator=gen,
+                sde_steps=(),
+                negative_prompt=s.negative_prompt,
+            )
+            parts.append(traj.images)
+    return torch.cat(parts)
 
-        metrics.update(
-            {f"eval/geneval/{k}": v for k, v in prompt_following(traj.images, list(prompts)).items()}
-        )
-    return metrics, traj.images
+
+def training_eval_prompts(cfg: FlowConfig, train: list[str]) -> list[str]:
+    """The training prompts evaluated beside the held-out ones (`trainer.train_eval_size`, only
+    GenEval-style prompts): the built-in set's `validation` split (a seeded sample of its
+    training prompts, the kinds interleaved), else the training prompts in order, cycling."""
+    n = cfg.trainer.train_eval_size
+    if n == 0 or not geneval_style(train):
+        return []
+    if cfg.data.builtin == "geneval" and not cfg.data.prompts and not cfg.data.prompt_file:
+        from mmrl.datasets.geneval import geneval_prompts
+
+        return geneval_prompts("validation", tuple(cfg.data.kinds), n=n)
+    return [train[i % len(train)] for i in range(n)]
 
 
 def geneval_style(prompts: Sequence[str]) -> bool:
@@ -798,42 +887,6 @@ def save_grid(images: torch.Tensor, path: Path, columns: int = 8) -> Path:
     array = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     Image.fromarray(array).save(path)
     return path
-
-
-FLOW_PANELS = [
-    ("reward", ["reward/mean", "eval/reward/mean"]),
-    ("KL to reference", ["actor/kl"]),
-    ("policy ratio", ["actor/approx_kl", "actor/clip_frac"]),
-    ("grad norm", ["actor/grad_norm"]),
-]
-
-
-def plot_flow_curves(metrics_path: Path, out_path: Path, panels: list | None = None) -> Path:
-    """One panel per curve group from `metrics.jsonl` (`panels`: (title, keys) pairs; default
-    `FLOW_PANELS`: train/eval reward, KL, ratio, grad norm)."""
-    panels = panels or FLOW_PANELS
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = read_metrics(metrics_path)
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
-    for ax, (title, keys) in zip(axes, panels):
-        for key in keys:
-            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, label=key, marker="o" if len(points) < 20 else None, markersize=3)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if len(ax.get_lines()) > 1:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
-    plt.close(fig)
-    return out_path
 
 
 def load_prompts(cfg: FlowConfig) -> tuple[list[str], list[str]]:

@@ -1,5 +1,6 @@
-"""The training-curve PNG of a run: reward, held-out accuracy, length, entropy, KL, and the
-reward of every data source."""
+"""The training-curve PNGs of a run: the VLM trainer's (reward, held-out accuracy, length,
+entropy, KL, and the reward of every data source) and flow-GRPO's (reward, held-out and
+training-prompt accuracy with their intervals, image noise, KL, ratio, grad norm)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,70 @@ def _line(ax, records: list[dict], key: str, label: str, style: str) -> None:
     if points:
         xs, ys = zip(*points)
         ax.plot(xs, ys, style, label=label, marker="o" if len(points) < 20 else None, markersize=3)
+
+
+FLOW_PANELS = [
+    ("reward", ["reward/mean", "eval/reward/mean"]),
+    ("GenEval strict accuracy (95% interval)", ["eval/geneval/accuracy", "eval/geneval/train/accuracy"]),
+    ("image noise (grey levels)", ["eval/geneval/edge_noise", "reward/geneval/noise"]),
+    ("KL to reference", ["actor/kl"]),
+    ("policy ratio", ["actor/approx_kl", "actor/clip_frac"]),
+    ("grad norm", ["actor/grad_norm"]),
+]
+"""flow-GRPO's panels: (title, metric keys)."""
+LABELS = {
+    "reward/mean": "rollouts",
+    "eval/reward/mean": "evaluation",
+    "eval/geneval/accuracy": "held-out prompts",
+    "eval/geneval/train/accuracy": "training prompts",
+    "eval/geneval/edge_noise": "evaluation: border std",
+    "reward/geneval/noise": "rollouts: background std",
+}
+"""Legend labels of flow-GRPO's curves (other keys are labelled by name)."""
+
+
+def panels_with_data(records: list[dict], panels: list) -> list:
+    """The (title, keys) panels of which at least one key has a value in `records`."""
+    present = {k for r in records for k, v in r.items() if v is not None}
+    return [(title, keys) for title, keys in panels if present & set(keys)]
+
+
+def plot_flow_curves(metrics_path: Path, out_path: Path, panels: list | None = None) -> Path:
+    """One panel per curve group from `metrics.jsonl` (`panels`: (title, keys) pairs; default
+    `FLOW_PANELS`), leaving out panels with no data (a run without KL has no KL panel). A key
+    with `<key>_low` / `<key>_high` beside it (an accuracy's Wilson interval) is drawn with its
+    interval as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    panels = panels_with_data(records, panels or FLOW_PANELS) or [("no metrics", [])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2), squeeze=False)
+    for ax, (title, keys) in zip(axes.flat, panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            line = ax.plot(
+                xs, ys, label=LABELS.get(key, key), marker="o" if len(points) < 20 else None, markersize=3
+            )[0]
+            band = [
+                (r["step"], r[f"{key}_low"], r[f"{key}_high"])
+                for r in records
+                if r.get(f"{key}_low") is not None and r.get(f"{key}_high") is not None
+            ]
+            if band:
+                bx, low, high = zip(*band)
+                ax.fill_between(bx, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(ax.get_lines()) > 1:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path
