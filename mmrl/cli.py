@@ -331,11 +331,7 @@ def _train(args: argparse.Namespace) -> int:
             f"mmrl train --task {args.task} trainer.run_dir={result.run_dir} --resume auto ..."
         )
         return 0
-    print(
-        f"done in {result.seconds:.0f}s: greedy held-out accuracy {result.start_accuracy:.3f} -> "
-        f"{result.final_accuracy:.3f} ({100 * (result.final_accuracy - result.start_accuracy):+.1f} points); "
-        f"run directory {result.run_dir}"
-    )
+    print(result.summary_line())
     return 0
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mmrl.stats import wilson_interval
+from mmrl.stats import mean_interval, wilson_interval
 
 
 def test_wilson_interval_by_hand():
@@ -26,3 +26,26 @@ def test_wilson_interval_by_hand():
     assert all(math.isnan(v) for v in wilson_interval(0, 0))
     with pytest.raises(ValueError, match="11 successes out of 10"):
         wilson_interval(11, 10)
+
+
+def test_mean_interval_is_wilsons_for_verdicts_and_the_normal_one_for_graded_scores():
+    assert mean_interval([1, 0, 1, 1, 0]) == wilson_interval(3, 5)
+    assert mean_interval([1.0, 0.0]) == wilson_interval(1, 2)
+    # graded scores 0.2, 0.4, 0.6: mean 0.4, sample sd 0.2, half-width 1.96 * 0.2 / sqrt(3)
+    half = 1.959964 * 0.2 / math.sqrt(3)
+    assert mean_interval([0.2, 0.4, 0.6]) == pytest.approx((0.4 - half, 0.4 + half))
+    assert mean_interval([0.9, 1.0, 0.95])[1] == 1.0  # clipped to the score's range
+    assert all(math.isnan(v) for v in mean_interval([]))
+
+
+def test_the_vlm_trainers_last_line_carries_both_intervals_and_the_size():
+    from pathlib import Path
+
+    from mmrl.train.grpo import TrainResult
+
+    result = TrainResult(Path("runs/x"), 0.418, 0.844, 0.85, 60, 153.4, start_interval=(0.375, 0.462),
+                         final_interval=(0.810, 0.873), eval_size=512)  # fmt: skip
+    assert result.summary_line() == (
+        "done in 153s: greedy held-out accuracy 0.418 [0.375-0.462] -> 0.844 [0.810-0.873] (+42.6 points; "
+        "512 prompts each, 95% intervals); run directory runs/x"
+    )

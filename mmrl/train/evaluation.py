@@ -10,6 +10,7 @@ from typing import Any
 
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
 from mmrl.router import Router
+from mmrl.stats import mean_interval
 from mmrl.types import Sample, VerifyContext
 
 
@@ -83,8 +84,12 @@ def run_evaluation(
         accuracies.append(acc)
         per_source[sample.data_source].append(acc)
     lengths = batch.response_mask.sum(dim=1).float()
+    low, high = mean_interval(accuracies)
     metrics = {
         "eval/accuracy": sum(accuracies) / max(len(accuracies), 1),
+        "eval/accuracy_low": low,  # its 95% interval (mmrl.stats.mean_interval) over
+        "eval/accuracy_high": high,
+        "eval/n": float(len(accuracies)),  # this many held-out prompts
         "eval/reward": float(rewards.scores.mean()),
         "eval/response_length": float(lengths.mean()),
         "eval/verifier_errors": float(sum(rewards.errors.values())),

@@ -98,6 +98,26 @@ class TrainResult:
     steps: int
     seconds: float
     interrupted: bool = False
+    start_interval: tuple[float, float] = (float("nan"), float("nan"))
+    """95% interval of `start_accuracy` (`mmrl.stats.mean_interval` over the held-out prompts)."""
+    final_interval: tuple[float, float] = (float("nan"), float("nan"))
+    """95% interval of `final_accuracy`."""
+    eval_size: int = 0
+    """Held-out prompts of each evaluation."""
+
+    def summary_line(self) -> str:
+        """The line `mmrl train` ends with: both accuracies with their intervals and the size."""
+
+        def figure(acc: float, interval: tuple[float, float]) -> str:
+            return f"{acc:.3f} [{interval[0]:.3f}-{interval[1]:.3f}]"
+
+        gain = 100 * (self.final_accuracy - self.start_accuracy)
+        return (
+            f"done in {self.seconds:.0f}s: greedy held-out accuracy {figure(self.start_accuracy, self.start_interval)}"
+            f" -> {figure(self.final_accuracy, self.final_interval)} ({gain:+.1f} points; {self.eval_size} prompts "
+            f"each, 95% intervals); run directory {self.run_dir}"
+        )
+
     """Stopped early by SIGINT / SIGTERM (a checkpoint was written)."""
 
 
@@ -271,7 +291,12 @@ def _train_holding(
             metrics.update(evaluate_suite(t.engine, suite, max_queries=tr.eval_suite_max_queries))
         metrics_log.log(step, metrics)
         metrics_log.log_generations(step, evaluation.generations)
-        log.info("step %d: greedy held-out accuracy %.3f", step, metrics["eval/accuracy"])
+        log.info("step %d: greedy held-out accuracy %.3f [%.3f-%.3f] (%d prompts)", step, metrics["eval/accuracy"],
+                 metrics["eval/accuracy_low"], metrics["eval/accuracy_high"], metrics["eval/n"])  # fmt: skip
+        interval = [metrics["eval/accuracy_low"], metrics["eval/accuracy_high"]]
+        if step == 0:
+            progress.start_interval = interval
+        progress.final_interval, progress.eval_size = interval, int(metrics["eval/n"])
         return metrics["eval/accuracy"]
 
     # 4. The loop: one step per rollout batch, greedy evaluation every `eval_every` steps,
@@ -324,6 +349,9 @@ def _train_holding(
         final_accuracy=progress.final_acc,
         best_accuracy=progress.best_acc,
         steps=progress.step,
+        start_interval=tuple(progress.start_interval),
+        final_interval=tuple(progress.final_interval),
+        eval_size=progress.eval_size,
         seconds=time.monotonic() - t_start,
         interrupted=stop.requested,
     )
@@ -343,6 +371,9 @@ class RunProgress:
     start_acc: float = float("nan")
     best_acc: float = float("nan")
     final_acc: float = float("nan")
+    start_interval: list[float] = field(default_factory=lambda: [float("nan"), float("nan")])
+    final_interval: list[float] = field(default_factory=lambda: [float("nan"), float("nan")])
+    eval_size: int = 0
     consecutive_skips: int = 0
     skipped_steps: int = 0
 
