@@ -406,24 +406,22 @@ def test_lora_pipeline_is_saved_merged_and_reloads_with_the_trained_weights(cach
 
 
 @pytest.mark.slow
-def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp_path):
+def test_flow_grpo_raises_the_image_bases_reward_and_reports_both_splits(mmrl_cache, tmp_path):
     """flow-GRPO on the built-in image base from the test run's cache (fresh in CI: the first
     test that needs this base builds it, warm-up included; the decoupled learning test of
-    tests/test_decoupled.py shares it): the held-out
-    partial-credit GenEval score (`eval/geneval/score`: ODE sampler, EMA weights, 96 prompts)
-    must rise over 30 RL steps.
+    tests/test_decoupled.py shares it): the `text_to_image` recipe's RL (partial credit + 3 x
+    `shape_fit` + 1 x the strict verdict, KL to the base 0.02, cosine lr, here over 30 steps) on
+    an earlier, cheaper base (800 steps, shapes drawn 1.4x). Its training reward (the rollouts'
+    `reward/mean`, the mean of the first 10 steps against the last 10) must rise, and the run
+    ends with both evaluations' figures and their intervals.
 
-    It runs the `text_to_image` recipe's RL (partial credit + 3 x `shape_fit` + 1 x the strict
-    verdict, cosine lr, here over 30 steps) on an earlier, cheaper base (800 steps, shapes drawn
-    1.4x; 31-40% held-out strict accuracy; the recipe's own is 1,200 steps at 1.7x and 71%).
-    Measured on the 2-core machine (one torch thread, the current verifier): held-out score at
-    step 0 -> 30 was 0.709 -> 0.751, 0.646 -> 0.734 and 0.660 -> 0.751 (trainer seeds 0-2):
-    +0.042 to +0.091; the bar is half of the smallest. (Before the last `shape_fits` fix, which
-    moves fits by at most 0.01, the same runs gave +0.052 to +0.084, and the earlier RL, no strict
-    verdict and a constant lr, +0.039 for seed 0.) Strict accuracy is not asserted: over 96
-    prompts it moved 39.6 -> 41.7, 32.3 -> 36.5 and 31.2 -> 36.5 %, within the evaluation's own
-    noise (the same base scores 31.2 % to 39.6 % depending only on the evaluation seed); the
-    recipe's +20 points are measured in the README, not here (a run is 7.5 minutes)."""
+    Measured on the 2-core machine (one torch thread, this base, the withheld-pair split, the
+    current verifier): +0.197, +0.184 and +0.158 for trainer seeds 0-2; at lr 0 (nothing
+    learnt) -0.002, the noise. The bar is half the smallest gain. The held-out figures are not
+    asserted: this base knows almost nothing of the withheld pairs (1-2% strict accuracy), and
+    over 96 images its held-out partial credit moved +0.036, +0.001 and +0.016 (seeds 0-2),
+    within the evaluation's own noise; the recipe's held-out gain (+19.3 points, 600 images) is
+    measured in docs/guide/flow-grpo.md, not here (a run is 6.5 minutes)."""
     cfg = load_flow_config(
         "text_to_image",
         overrides=[
@@ -434,7 +432,8 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp
             "model.warmup.target_accuracy=0.3",
             "trainer.total_steps=30",
             "trainer.eval_every=0",
-            "trainer.eval_size=96",
+            "trainer.eval_size=48",
+            "trainer.train_eval_size=48",
             "trainer.threads=1",
             "trainer.progress=false",
             "trainer.save_final=false",
@@ -443,9 +442,17 @@ def test_flow_grpo_raises_the_image_bases_heldout_partial_credit(mmrl_cache, tmp
     )
     result = run_text_to_image(cfg)
     records = read_metrics(result.run_dir / "metrics.jsonl")
-    scores = {r["step"]: r["eval/geneval/score"] for r in records if "eval/geneval/score" in r}
-    assert sorted(scores) == [0, 30]
-    assert scores[30] > scores[0] + 0.021, scores
+    rewards = [r["reward/mean"] for r in records if "reward/mean" in r and r["step"] > 0]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.079, (first, last)
+    for figures in (result.start_eval, result.final_eval):  # what the last line prints
+        assert figures["n"] == figures["train_n"] == 48
+        assert figures["low"] <= figures["accuracy"] <= figures["high"]
+        assert figures["train_low"] <= figures["train_accuracy"] <= figures["train_high"]
+        assert math.isfinite(figures["edge_noise"])
+    line = result.summary_line()
+    assert "held-out GenEval accuracy" in line and "training prompts" in line and "48 images each" in line
 
 
 def test_reward_components_are_averaged_for_the_log():
