@@ -75,15 +75,26 @@ KEEP_TOGETHER = {
 }
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        name = item.path.name
-        if name in KEEP_TOGETHER:
-            item.add_marker(pytest.mark.xdist_group(name.removesuffix(".py")))
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` keeps each KEEP_TOGETHER module on one worker and spreads every other
+    test on its own. xdist's own loadgroup reads an `xdist_group` mark into the node id by
+    assigning `item._nodeid`, which pytest 9 no longer reads (the node id lives in `item._id`),
+    so with these pins it grouped nothing: each worker built the modules' fixtures again (the
+    80-step training run of test_training.py twice). Here the scheduler itself decides the
+    groups from the node id's file."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class KeepTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return file if file.rsplit("/", 1)[-1] in KEEP_TOGETHER else nodeid
+
+    return KeepTogether(config, log)
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "xdist_group(name): tests kept on one xdist worker (--dist loadgroup)")
     # Each xdist worker takes its share of the cores for torch (two workers on two cores: one
     # thread each), instead of every worker starting one thread per core.
     global _THREADS

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,10 +65,13 @@ def _alive_nodes(address: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """A head and a second node (2 CPUs each); yields the head's address. `ray start --block`
     stops its node's processes when it is terminated."""
-    temp = tmp_path_factory.mktemp("ray")
+    # Ray's sockets live under the temp dir and a Unix socket path has at most 107 bytes: pytest's
+    # own folders (/tmp/pytest-of-<user>/pytest-<n>/popen-gw0/...) leave the second node's object
+    # store too little, so the cluster gets a short folder of its own.
+    temp = Path(tempfile.mkdtemp(prefix="mmrl-ray-", dir="/tmp"))
     port = _port()
 
     def own_ports() -> list[str]:
@@ -106,6 +111,7 @@ def cluster(tmp_path_factory):
         for node in reversed(nodes):
             node.terminate()
             node.wait()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
