@@ -51,6 +51,7 @@ def base_path(mmrl_cache) -> str:
     return str(builtin_base(load_config("vision_reasoning")))
 
 
+@pytest.mark.trains
 def test_short_run_writes_a_complete_run_directory(base_path, tmp_path):
     run_dir = tmp_path / "run"
     out = mmrl("train", "--task", "vision_reasoning", f"trainer.run_dir={run_dir}", *SHORT)
@@ -81,6 +82,7 @@ def test_short_run_writes_a_complete_run_directory(base_path, tmp_path):
     load_policy(run_dir / "final")  # the final checkpoint is a loadable HF folder
 
 
+@pytest.mark.trains
 def test_model_flag_trains_any_local_hf_vlm_through_the_same_path(tmp_path):
     spec = TinyVLMSpec(architecture="qwen2_5_vl")
     build_tiny_vlm(spec, seed=1).save_pretrained(tmp_path / "model")
@@ -91,6 +93,7 @@ def test_model_flag_trains_any_local_hf_vlm_through_the_same_path(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["model_path"] == str(tmp_path / "model")
 
 
+@pytest.mark.trains
 def test_bad_record_stops_the_run_before_training_with_file_line_id_and_field(tmp_path):
     from mmrl.datasets.procedural import make_samples
     from mmrl.datasets.readers import write_jsonl
@@ -156,6 +159,7 @@ def test_convert_coco_to_samples_that_train_can_read(tmp_path):
     assert bad.returncode == 2 and "a.png" in bad.stderr and not (tmp_path / "x.jsonl").exists()
 
 
+@pytest.mark.trains
 def test_text_to_image_dispatches_to_flow_grpo(mmrl_cache, tmp_path):
     run_dir = tmp_path / "t2i"
     out = mmrl("train", "--task", "text_to_image_jpeg", "trainer.total_steps=2", f"trainer.run_dir={run_dir}")

@@ -271,6 +271,7 @@ def _weights(run):
     )
 
 
+@pytest.mark.trains
 def test_decoupled_run_logs_both_halves_and_resumes_exactly(mmrl_cache, tmp_path):
     from mmrl.train.decoupled import run_decoupled
 
@@ -303,6 +304,7 @@ def test_decoupled_run_logs_both_halves_and_resumes_exactly(mmrl_cache, tmp_path
         )
 
 
+@pytest.mark.trains
 def test_train_halves_leaves_the_other_half_unchanged(mmrl_cache, tmp_path):
     from mmrl.train.decoupled import run_decoupled
 

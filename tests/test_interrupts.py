@@ -66,6 +66,7 @@ def _only_line(after: list[str]) -> list[str]:
     return [line for line in after if not LOG_LINE.match(line)]
 
 
+@pytest.mark.trains
 def test_ctrl_c_during_the_warm_up_leaves_one_line_and_status_130(tmp_path):
     cache = tmp_path / "cache"  # empty: the base has to be warmed up
     status, _, after = _interrupt_when(

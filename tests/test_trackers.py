@@ -152,6 +152,7 @@ def _jsonl_by_step(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 # --- W&B -------------------------------------------------------------------------------------
+@pytest.mark.trains
 def test_wandb_offline_holds_every_metric_the_config_and_the_curves_and_resumes_the_same_run(grpo_runs):
     run_dir, _, first_ids = grpo_runs
     ids = json.loads((run_dir / "trackers.json").read_text())
@@ -236,6 +237,7 @@ def test_wandb_offline_holds_a_generations_table_at_every_evaluation(grpo_runs):
 
 
 # --- MLflow ----------------------------------------------------------------------------------
+@pytest.mark.trains
 @pytest.mark.skipif(not HAVE_MLFLOW, reason=NO_MLFLOW)
 def test_mlflow_holds_every_metric_the_params_and_the_curves_and_resumes_the_same_run(grpo_runs):
     from mlflow.tracking import MlflowClient
