@@ -75,6 +75,7 @@ KEEP_TOGETHER = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown when xdist is not loaded (-p no:xdist)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` keeps each KEEP_TOGETHER module on one worker and spreads every other
     test on its own. xdist's own loadgroup reads an `xdist_group` mark into the node id by
