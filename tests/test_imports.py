@@ -29,6 +29,15 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def _source(node: ast.ImportFrom, name: str, is_package: bool) -> str:
+    """The module a `from ... import` in module `name` reads from (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the package modules it imports, at any depth of its code (a function-level
     import is an arrow too: it runs; one under `if TYPE_CHECKING:` is not: it never does). `from a import b` points at `a.b` when that is a module,
@@ -51,12 +60,7 @@ def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = name.split(".") if is_package else name.split(".")[:-1]
-                    base = base[: len(base) - node.level + 1]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
+                source = _source(node, name, is_package)
                 targets = [
                     f"{source}.{a.name}" if f"{source}.{a.name}" in mods else source for a in node.names
                 ]
@@ -170,12 +174,7 @@ def _from_imports(path: Path, name: str, mods: dict[str, Path]):
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if not isinstance(node, ast.ImportFrom):
             continue
-        if node.level:
-            base = name.split(".") if is_package else name.split(".")[:-1]
-            base = base[: len(base) - node.level + 1]
-            source = ".".join(base + ([node.module] if node.module else []))
-        else:
-            source = node.module or ""
+        source = _source(node, name, is_package)
         if source in mods:
             for alias in node.names:
                 if alias.name != "*":
