@@ -32,7 +32,6 @@ Checkpoints hold both halves (weights, EMA, both optimizers) and resume exactly,
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import time
@@ -66,6 +65,7 @@ from mmrl.train.flow_grpo import (
     eval_figures,
     flow_model_path,
     flow_precision,
+    holding_the_run_dir,
     make_flow_trainee,
     recompute_log_probs,
     rollout,
@@ -77,7 +77,6 @@ from mmrl.train.flow_grpo import (
 )
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_flow_curves
-from mmrl.train.rundir import hold_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -485,13 +484,7 @@ def restore_decoupled_checkpoint(
 # --- the run ---------------------------------------------------------------------------------------
 def run_decoupled(cfg: DecoupledConfig) -> FlowTrainResult:
     """`mmrl train --task text_to_image_decoupled`: train both halves, evaluate, save."""
-    if not cfg.trainer.run_dir:  # fixed once: the lock and everything after name the same folder
-        cfg = copy.deepcopy(cfg)
-        cfg.trainer.run_dir = f"runs/{cfg.data.task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # One run writes a run directory at a time, a resumed one too: the lock comes before anything
-    # there is read or cleaned (a second trainer is refused at once, naming the first).
-    with hold_run_dir(cfg.trainer.run_dir, "mmrl train"):
-        return _run_decoupled(cfg)
+    return holding_the_run_dir(cfg, _run_decoupled)
 
 
 def _run_decoupled(cfg: DecoupledConfig) -> FlowTrainResult:

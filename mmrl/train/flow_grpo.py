@@ -34,7 +34,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,15 +202,23 @@ class FlowTrainee:
     updates: int = 0
 
 
-def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
-    """`mmrl train --task text_to_image`: train, evaluate, save; returns the figures."""
-    if not cfg.trainer.run_dir:  # fixed once: the lock and everything after name the same folder
+def holding_the_run_dir(cfg: FlowConfig, run: Callable[[FlowConfig], FlowTrainResult]) -> FlowTrainResult:
+    """`run(cfg)` while this process holds the run directory's lock (the image trainers' entry).
+
+    The folder is fixed once (`runs/<task>-<time>` when none is set), so the lock and everything
+    after name the same one. One run writes a run directory at a time, a resumed one too: the
+    lock comes before anything there is read or cleaned (a second trainer is refused at once,
+    naming the first)."""
+    if not cfg.trainer.run_dir:
         cfg = copy.deepcopy(cfg)
         cfg.trainer.run_dir = f"runs/{cfg.data.task}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # One run writes a run directory at a time, a resumed one too: the lock comes before anything
-    # there is read or cleaned (a second trainer is refused at once, naming the first).
     with hold_run_dir(cfg.trainer.run_dir, "mmrl train"):
-        return _run_text_to_image(cfg)
+        return run(cfg)
+
+
+def run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
+    """`mmrl train --task text_to_image`: train, evaluate, save; returns the figures."""
+    return holding_the_run_dir(cfg, _run_text_to_image)
 
 
 def _run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
