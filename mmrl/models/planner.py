@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from mmrl.models.base_cache import cache_root, cached_base
+from mmrl.models.tiny_spec import decoder_dims
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +136,7 @@ def build_tiny_planner(spec: PlannerSpec, seed: int = 0):
 
     tokenizer = build_planner_tokenizer()
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
+        **decoder_dims(spec, len(tokenizer)),
         max_position_embeddings=64,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

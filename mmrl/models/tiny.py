@@ -22,7 +22,7 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
-from mmrl.models.tiny_spec import QWEN_ARCHITECTURES, TINY_ARCHITECTURES, TinyVLMSpec
+from mmrl.models.tiny_spec import QWEN_ARCHITECTURES, TINY_ARCHITECTURES, TinyVLMSpec, decoder_dims
 from mmrl.models.tokenizer import build_byte_tokenizer
 
 TINY_MOE_EXPERTS = 4
@@ -90,12 +90,7 @@ def build_tiny_vlm(spec: TinyVLMSpec, seed: int = 0) -> PreTrainedModel:
     h_part = (half - t_part) // 2
     mrope_section = [t_part, h_part, half - t_part - h_part]
     text_config = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
+        **decoder_dims(spec, len(tokenizer)),
         max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
         bos_token_id=ids["<|endoftext|>"],

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedConfig, PreTrainedTokenizerFast, ProcessorMixin
 
+from mmrl.models.tiny_spec import decoder_dims
 from mmrl.models.tokenizer import build_byte_tokenizer, chat_template
 
 if TYPE_CHECKING:
@@ -82,12 +83,7 @@ def family_config(spec: TinyVLMSpec) -> PreTrainedConfig:
     tokenizer = family_tokenizer(spec.architecture)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
     text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
+        **decoder_dims(spec, len(tokenizer)),
         max_position_embeddings=4096,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],

@@ -51,3 +51,17 @@ class TinyVLMSpec:
     """Spatial merge: merge_size^2 patches become one language-model token."""
     image_size: int = 64
     """Images are resized so both sides are this many pixels (fixed token count per image)."""
+
+
+def decoder_dims(spec: object, vocab_size: int) -> dict[str, int]:
+    """The decoder sizes every tiny language model here shares, as transformers' config keys:
+    from a spec with `hidden_size`, `intermediate_size`, `num_layers`, `num_heads` and
+    `num_kv_heads` (a `TinyVLMSpec`, the planner's `PlannerSpec`)."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+    )
