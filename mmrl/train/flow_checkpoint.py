@@ -35,6 +35,7 @@ from mmrl.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
+from mmrl.train.preflight import RESUME_MAY_CHANGE, RESUME_MAY_CHANGE_PREFIXES, flatten
 
 if TYPE_CHECKING:
     from mmrl.train.flow_config import FlowConfig
@@ -45,23 +46,14 @@ log = logging.getLogger(__name__)
 WEIGHTS = "trainable.safetensors"
 EMA_WEIGHTS = "ema.safetensors"
 
-RESUMABLE_CHANGES = (
-    "trainer.total_steps",
-    "trainer.resume",
-    "trainer.run_dir",
-    "trainer.progress",
-    "trainer.threads",
-    "trainer.checkpoint_every",
-    "trainer.keep_last",
-    "trainer.dump_steps",
+RESUMABLE_CHANGES: frozenset[str] = RESUME_MAY_CHANGE | {
     "trainer.save_final",
-    "model.cache_dir",
-    "trainer.loggers",
     "trainer.wandb",
     "trainer.mlflow",
-)
-"""Config keys a resumed run may change (none changes what a step computes; `run_dir`: a
-run folder may be moved or copied)."""
+}
+"""Config keys a resumed image run may change: the VLM trainer's bookkeeping keys
+(`mmrl.train.preflight.RESUME_MAY_CHANGE`; none changes what a step computes, and `run_dir`: a
+run folder may be moved or copied), whether the final pipeline is saved, and the trackers."""
 
 
 @dataclass
@@ -197,12 +189,14 @@ def check_config_unchanged(cfg: FlowConfig, checkpoint: Path) -> None:
     diffs = [
         f"{key}: {a!r} -> {b!r}"
         for key, a, b in _differences(saved, now, "")
-        if key not in RESUMABLE_CHANGES and not key.startswith(("trainer.wandb.", "trainer.mlflow."))
+        if key not in RESUMABLE_CHANGES and not key.startswith(RESUME_MAY_CHANGE_PREFIXES)
     ]
     if diffs:
+        flat = flatten(now)
+        allowed = sorted(k for k in RESUMABLE_CHANGES if any(f == k or f.startswith(k + ".") for f in flat))
         raise ValueError(
             f"resume: the config differs from the one {checkpoint} was trained with: {'; '.join(diffs)}. "
-            f"Only {', '.join(RESUMABLE_CHANGES)} may change on resume"
+            f"Only {', '.join(allowed)} may change on resume"
         )
 
 
