@@ -227,7 +227,7 @@ def load_source(
     else:
         rows, columns = _open_dataset(entry, spec)
         base_dir = local.resolve() if local is not None and local.is_dir() else None
-        samples, layout = _rows_to_samples(
+        samples, layout = rows_to_samples(
             entry, spec, rows, columns, base_dir, check_images, max_prompt_chars
         )
         origin = "folder" if local is not None else "hub"
@@ -250,7 +250,7 @@ def _read_sample_file(entry, spec, path: Path, check_images, max_prompt_chars) -
         return read_samples(path, check_images=check_images, max_prompt_chars=max_prompt_chars), layout
     pairs = converters.read_records(path)
     wheres = [where for where, _ in pairs]
-    return _rows_to_samples(
+    return rows_to_samples(
         entry, spec, (record for _, record in pairs), None, path.resolve().parent,
         check_images, max_prompt_chars, layout=layout, where_of=wheres.__getitem__, source_file=str(path),
     )  # fmt: skip
@@ -451,28 +451,11 @@ def rows_to_samples(
     layout: str | None = None,
     where_of: Callable[[int], str] | None = None,
     source_file: str | None = None,
-) -> list[Sample]:
+) -> tuple[list[Sample], str]:
     """Map every row onto the sample format by its layout (`layout`, else `spec.layout`, else
     detected from the first row) and validate it; ids must be unique. `where_of(i)` names row
-    i in errors; `source_file` is recorded in converted rows' `extra_info`."""
-    return _rows_to_samples(
-        entry, spec, rows, columns, base_dir, check_images, max_prompt_chars, layout, where_of, source_file
-    )[0]
-
-
-def _rows_to_samples(
-    entry: str,
-    spec: SourceSpec,
-    rows: Iterator[dict[str, Any]],
-    columns: list[str] | None,
-    base_dir: Path | None,
-    check_images: bool = True,
-    max_prompt_chars: int = MAX_PROMPT_CHARS,
-    layout: str | None = None,
-    where_of: Callable[[int], str] | None = None,
-    source_file: str | None = None,
-) -> tuple[list[Sample], str]:
-    """`rows_to_samples`, and the layout the rows were mapped from."""
+    i in errors; `source_file` is recorded in converted rows' `extra_info`. Returns the samples
+    and the layout they were mapped from."""
     from mmrl.datasets import converters
 
     where_of = where_of or (lambda i: f"{entry} row {i}")
