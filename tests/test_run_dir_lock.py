@@ -257,3 +257,22 @@ def test_processes_starting_at_the_same_moment_leave_exactly_one_holder(tmp_path
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_in_use_only_looks_it_neither_takes_over_nor_warns(tmp_path, caplog):
+    """`RunDirLock.in_use` (what `mmrl eval` reports with its other problems) says why a folder
+    is refused and changes nothing: a stale lock is not in use, stays in place and is not
+    announced as taken over; a live holder (this process) and an unreadable lock are named."""
+    lock = RunDirLock(tmp_path, "mmrl eval", option="--output")
+    assert lock.in_use() is None  # no lock at all
+    stale = LockHolder(socket.gethostname(), _dead_pid(), "2026-01-01T00:00:00+0000", "mmrl train")
+    (tmp_path / LOCK_NAME).write_text(json.dumps(stale.__dict__))
+    with caplog.at_level(logging.WARNING, logger="mmrl.train.rundir"):
+        assert lock.in_use() is None
+    assert not caplog.records and LockHolder.read(tmp_path / LOCK_NAME) == stale
+    live = LockHolder.me("mmrl train")
+    (tmp_path / LOCK_NAME).write_text(json.dumps(live.__dict__))
+    busy = lock.in_use()
+    assert f"pid {os.getpid()}" in busy and "choose another --output" in busy
+    (tmp_path / LOCK_NAME).write_text("{not json")
+    assert "cannot be read" in lock.in_use()

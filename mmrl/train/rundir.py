@@ -177,35 +177,34 @@ class RunDirLock:
         return self
 
     def _refuse_or_take_over(self) -> None:
+        busy = self.in_use()
+        if busy is not None:
+            raise RunDirInUse(busy)
+        log.warning("%s: taking over the lock of %s, which is no longer running", self.run_dir,
+                    LockHolder.read(self.path).describe())  # fmt: skip
+
+    def in_use(self) -> str | None:
+        """Why `acquire` would refuse this folder now (a live holder, an unreadable lock), or
+        None (no lock, or one whose holder is gone): a read-only look, also for checks that
+        report every problem before anything starts."""
+        if not self.path.exists():
+            return None
         try:
             holder = LockHolder.read(self.path)
         except (OSError, ValueError, TypeError) as exc:
-            raise RunDirInUse(
+            return (
                 f"{self.run_dir} is locked by {self.path}, which cannot be read ({exc}); if no run is using "
                 f"this folder, delete {self.path}, or choose another {self.option}"
-            ) from None
+            )
         running = holder.is_running()
         if running is False:
-            log.warning("%s: taking over the lock of %s, which is no longer running", self.run_dir,
-                        holder.describe())  # fmt: skip
-            return
+            return None
         where = "" if running else f" (on another host: this one, {socket.gethostname()}, cannot see it)"
-        raise RunDirInUse(
+        return (
             f"{self.run_dir} is in use by {holder.describe()}{where}: one run writes a run directory at a "
             f"time. Wait for it to finish or stop it (then continue it with --resume auto), or choose "
             f"another {self.option}. If that process is gone, delete {self.path}."
         )
-
-    def in_use(self) -> str | None:
-        """Why `acquire` would refuse this folder now (a live holder, an unreadable lock), or
-        None: a read-only look, for checks that report every problem before anything starts."""
-        if not self.path.exists():
-            return None
-        try:
-            self._refuse_or_take_over()
-        except RunDirInUse as exc:
-            return str(exc)
-        return None
 
     def release(self) -> None:
         """Remove the lock if it is still this process's."""
