@@ -110,13 +110,14 @@ class RolloutWorker:
             policy.model = apply_lora(policy.model, cfg)
         self.engine = make_rollout_engine(cfg, policy)
 
-    def generate(self, samples: list[Sample], params: SamplingParams) -> RolloutBatch:
-        return self.engine.generate(samples, params)
-
-    def rollout_metrics(self) -> dict[str, float]:
-        """The engine's facts about its last `generate` (`HFRolloutEngine.rollout_metrics`)."""
+    def generate(
+        self, samples: list[Sample], params: SamplingParams
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """The rollouts, and the engine's facts about them (`HFRolloutEngine.rollout_metrics`:
+        decode form, LoRA merged, decode step time) in the same reply."""
+        batch = self.engine.generate(samples, params)
         facts = getattr(self.engine, "rollout_metrics", None)
-        return facts() if callable(facts) else {}
+        return batch, facts() if callable(facts) else {}
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], adapters: bool = False) -> None:
         """The policy's new weights: all of them, or (`adapters`) every LoRA adapter weight."""
@@ -289,7 +290,7 @@ class RolloutPool:
 
     def __init__(self, ray, workers: list, names: list[str], pad_token_id: int):
         self.ray, self.workers, self.names, self.pad_token_id = ray, workers, names, pad_token_id
-        self._used: list[int] = []  # the workers the last `generate` gave a part to
+        self._facts: list[dict[str, float]] = []  # each worker's engine facts of the last `generate`
 
     def generate(self, samples: list[Sample], params: SamplingParams, on_response=None) -> RolloutBatch:
         """`on_response(row, text)` is called for each row of a worker's part as soon as that
@@ -298,14 +299,15 @@ class RolloutPool:
         bounds = [round(i * len(samples) / k) for i in range(k + 1)]
         parts = [(i, bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
         refs = {self.workers[i].generate.remote(samples[a:b], params): (i, a) for i, a, b in parts}
-        self._used = [i for i, _, _ in parts]
+        self._facts = []
         chunks: dict[int, RolloutBatch] = {}
         waiting = list(refs)
         while waiting:
             ready, waiting = self.ray.wait(waiting, num_returns=1)
             i, first = refs[ready[0]]
-            (chunk,) = _get(self.ray, ready, [self.names[i]])
+            ((chunk, facts),) = _get(self.ray, ready, [self.names[i]])
             chunks[first] = chunk
+            self._facts.append(facts)
             if on_response is not None:
                 for row, text in enumerate(chunk.texts):
                     on_response(first * params.n + row, text)
@@ -322,15 +324,9 @@ class RolloutPool:
         """The local engine's rollout facts over the workers of the last `generate`: whether LoRA
         was merged or decoding captured (every worker: the minimum), compactions summed, the
         decode step time and live cache as the workers' mean."""
-        if not self._used:
-            return {}
-        workers = [self.workers[i] for i in self._used]
-        parts = _get(
-            self.ray, [w.rollout_metrics.remote() for w in workers], [self.names[i] for i in self._used]
-        )
         out: dict[str, float] = {}
-        for key in set().union(*parts):
-            values = [p[key] for p in parts if key in p]
+        for key in set().union(*self._facts):
+            values = [f[key] for f in self._facts if key in f]
             if key == "rollout/compactions":
                 out[key] = float(sum(values))
             elif key in ("rollout/lora_merged", "rollout/decode_captured"):
