@@ -95,6 +95,13 @@ def pytest_xdist_make_scheduler(config, log):
     return KeepTogether(config, log)
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Slow tests first (a stable sort: each file's order kept): xdist hands out single tests in
+    collection order, so a learning run collected last (tests/test_vlm_families.py's) would start
+    when the other workers are done and leave them idle; longest first balances the workers."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_configure(config) -> None:
     # Each xdist worker takes its share of the cores for torch (two workers on two cores: one
     # thread each), instead of every worker starting one thread per core.

@@ -14,8 +14,8 @@ D is `loss_denominator` (tokens, or sequences, or sequences x max_len, by `algo.
 the whole mini-batch (D_j) and for the process's share (D_rj); FSDP2 sums the processes'
 gradients (reduce-scatter). The factor D_rj / D_j scales the gradient reaching the logits of
 each forward of the update, so the loss values and metrics stay update_policy's own. Gradient
-clipping sees the global norm (DTensor). Tested: a 2-process gloo update gives the 1-process
-parameters (`tests/test_distributed_training_group.py`).
+clipping sees the global norm (DTensor). Tested: 3 updates of a 2-process gloo group equal the
+1-process trainer's at every step (`tests/test_distributed_multistep.py`).
 
 LoRA (`model.lora_rank > 0`): every process wraps the policy with the same adapters (drawn
 from `trainer.seed`, or set by `load_state`), shards base and adapters alike and trains the
