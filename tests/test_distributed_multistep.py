@@ -55,7 +55,7 @@ LAYOUTS = {
 # full, ZeRO-3 LoRA), 8.1e-6 (ZeRO-3 full), 2.1e-6 (FSDP2 and ZeRO-2 LoRA); the metrics at most
 # 7.4e-7 relative. Giving each process a loss share of 1/2 instead (averaging the processes'
 # losses, the usual data-parallel shortcut) moved the weights by 4e-3 after one step (200x the
-# full layout's tolerance). Before the group's losses were merged per mini-batch, its `actor/pg_loss` was
+# full layout's tolerance; measured by the one-update FSDP2 test this file's first step replaced). Before the group's losses were merged per mini-batch, its `actor/pg_loss` was
 # -0.056 where the single process's was 0.221 (shares that differ between mini-batches).
 PARAM_ATOL = {layout: 0.02 * lr for layout, lr in LR.items()}
 REL = 1e-5
