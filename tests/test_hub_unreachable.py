@@ -89,3 +89,52 @@ def test_load_policy_and_a_hub_dataset_fail_fast_suggesting_the_flag(blackhole, 
         "ValueError: data source 'some-org/some-data@train': hub dataset 'some-org/some-data'"
     )
     assert "did not answer within 2 s" in lines[1] and "HF_HUB_OFFLINE=1" in lines[1]
+
+
+@pytest.fixture()
+def silent_hub():
+    """A hub that takes every connection, reads its request and never answers: yields its URL and
+    the request lines received so far."""
+    import threading
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    received: list[str] = []
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # closed at teardown
+                return
+            held.append(conn)  # kept open, never answered
+            data = b""
+            while b"\r\n" not in data:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            received.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", received
+    sock.close()
+    for conn in held:
+        conn.close()
+
+
+def test_the_only_request_is_the_one_that_is_timed(silent_hub, tmp_path):
+    """huggingface_hub builds each request's user agent by first fetching the hub's agent-harness
+    registry, with a 3 s time-out of its own (a fresh HF_HOME has no copy of it): on a silent hub
+    that was a second wait before the timed request (`mmrl check` ended after 9.7 s, 6.5 s
+    without it, at the default 5 s time-out). The hub is asked once."""
+    url, received = silent_hub
+    out = _run(
+        ["-m", "mmrl.cli", "check", "--model", "some-org/some-vlm"], _online_env(url, tmp_path), tmp_path
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "did not answer within 2 s" in out.stderr
+    assert len(received) == 1, received
+    assert received[0].startswith("GET /api/models/some-org/some-vlm"), received
