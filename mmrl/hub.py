@@ -92,7 +92,7 @@ def ask_hub(repo_id: str, repo_type: str = "model", revision: str | None = None)
 
     api = HfApi()
     info = api.model_info if repo_type == "model" else api.dataset_info
-    telemetry_off = constants.HF_HUB_DISABLE_TELEMETRY
+    was_disabled = constants.HF_HUB_DISABLE_TELEMETRY
     constants.HF_HUB_DISABLE_TELEMETRY = True
     try:
         info(repo_id, revision=revision, timeout=hub_timeout_s())
@@ -105,7 +105,7 @@ def ask_hub(repo_id: str, repo_type: str = "model", revision: str | None = None)
     except Exception as exc:  # noqa: BLE001 - timeouts, refused connections, DNS, TLS: all "unreachable"
         return HubAnswer("unreachable", f"{type(exc).__name__}: {exc}".splitlines()[0])
     finally:
-        constants.HF_HUB_DISABLE_TELEMETRY = telemetry_off
+        constants.HF_HUB_DISABLE_TELEMETRY = was_disabled
     return HubAnswer("found")
 
 
