@@ -26,9 +26,11 @@ cluster gives: read the ratios with that in mind.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -121,7 +123,10 @@ def main() -> None:
     names = args.only or list(LAYOUTS)
     common = ["trainer.progress=false", *args.overrides]
     # DeepSpeed's ops, built at its first start (~50 s on the CPU), reused from the tests' cache.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/mmrl/torch_extensions"))
+    key = hashlib.sha1(os.path.abspath(sys.prefix).encode()).hexdigest()[:12]  # as tests/conftest.py
+    os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~/.cache/mmrl/torch_extensions"), key)
+    )
 
     ray = None
     if any("backend=ray" in o for n in names for o in LAYOUTS[n]):

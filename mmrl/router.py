@@ -24,13 +24,14 @@ from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mmrl.types import AnswerLimits, Sample, VerifierResult, VerifyContext
 from mmrl.verifier_pool import Job, PoolThread, VerifierPool, import_plugins
 from mmrl.verifiers.registry import get_verifier, warm_up_verifiers
+
+if TYPE_CHECKING:  # the verifier workers unpickle this module's scorer: they never load torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class RewardBatch:
     @classmethod
     def of(cls, results: list[VerifierResult], samples: list[Sample]) -> RewardBatch:
         """Like `gather`, without logging the errors (a part of a batch that is gathered later)."""
+        import torch
+
         keys = [f"{s.reward_model.verifier}/{s.data_source}" for s in samples]
         return cls._counted(results, torch.tensor([r.score for r in results], dtype=torch.float32), keys)
 
@@ -85,6 +88,8 @@ class RewardBatch:
 
     @staticmethod
     def concat(parts: list[RewardBatch]) -> RewardBatch:
+        import torch
+
         out = RewardBatch(
             results=[r for p in parts for r in p.results],
             scores=torch.cat([p.scores for p in parts]),
@@ -96,6 +101,8 @@ class RewardBatch:
 
     def component(self, name: str) -> torch.Tensor:
         """[N] one named component (NaN where a result lacks it)."""
+        import torch
+
         return torch.tensor([r.components.get(name, float("nan")) for r in self.results], dtype=torch.float32)
 
 

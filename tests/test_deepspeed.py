@@ -5,8 +5,9 @@ the Ray backend. The 2-process ZeRO-2 and ZeRO-3 groups against the 1-process tr
 step, are in tests/test_distributed_multistep.py.
 
 DeepSpeed builds a communication op at its first `initialize` on the CPU (~50 s, once per
-machine): tests/conftest.py points TORCH_EXTENSIONS_DIR at ~/.cache/mmrl/torch_extensions so
-every later run (and every process of a run) reuses it.
+virtual environment): tests/conftest.py points TORCH_EXTENSIONS_DIR at a folder per virtual
+environment under ~/.cache/mmrl/torch_extensions so every later run (and every process of a run)
+reuses it.
 """
 
 from __future__ import annotations

@@ -86,6 +86,18 @@ def test_a_worker_killed_with_sigkill_mid_batch_costs_only_its_response(workers,
         assert again.scores.tolist() == [1.0] * 3 and not again.errors
 
 
+def test_a_worker_loads_neither_torch_nor_transformers():
+    """A verifier worker scores text and images with numpy, PIL and SymPy: importing torch
+    there cost each worker (every start and every replacement) over a second of CPU and its
+    memory, for nothing."""
+    samples = [_sample(0)]
+    with Router(num_workers=1, time_limit_s=60.0, plugins=["fault_verifiers"]) as router:
+        router.warm_up()
+        batch = _guarded(lambda: router.score(samples, ["modules"], VerifyContext()))
+    assert batch.results[0].error is None
+    assert batch.results[0].components == {"torch": 0.0, "transformers": 0.0}
+
+
 def test_a_worker_that_dies_by_itself_again_and_again_never_stops_the_router():
     samples = [_sample(i) for i in range(9)]
     texts = ["die" if i % 3 == 1 else "fine" for i in range(9)]

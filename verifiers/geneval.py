@@ -56,11 +56,11 @@ the IoU of the asked-for colour's objects with the ideal asked-for shape, counte
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
-import torch
 from PIL import Image
 
 from mmrl.datasets.geneval import COLOURS, ImageSpec, spec_from_dict
@@ -579,7 +579,8 @@ def prompt_following(images, prompts: list[str]) -> dict[str, float]:
     from mmrl.datasets.geneval import parse_prompt
     from mmrl.stats import wilson_interval
 
-    if isinstance(images, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor means torch is loaded: scoring never loads it
+    if torch is not None and isinstance(images, torch.Tensor):
         images = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
         images = list(images.cpu().numpy())
     if len(images) != len(prompts):

@@ -7,6 +7,7 @@ die, ignore time-outs the way libraries do, or hang in C code. A response select
 - `"swallow"` / `"swallow_all"`: sleep past the time limit inside `try/except Exception` (as
   math-verify and SymPy do) / a bare `except:`, then claim a correct answer;
 - `"hang"`: hang with the timer signal blocked (as if stuck in C code);
+- `"modules"`: score 1, with components saying whether torch / transformers are loaded here;
 - anything else: score 1.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +38,9 @@ class Fault(Verifier):
             while not go.exists():
                 time.sleep(0.01)
             return _ok()
+        if response == "modules":
+            loaded = {name: float(name in sys.modules) for name in ("torch", "transformers")}
+            return VerifierResult(score=1.0, components=loaded)
         if response == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         if response == "swallow":
