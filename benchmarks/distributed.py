@@ -26,16 +26,15 @@ cluster gives: read the ratios with that in mind.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 from mmrl.compose import composition
 from mmrl.config import load_config
+from mmrl.distributed import torch_extensions_dir
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import load_policy
 from mmrl.train.data import PromptSampler, load_data
@@ -123,10 +122,7 @@ def main() -> None:
     names = args.only or list(LAYOUTS)
     common = ["trainer.progress=false", *args.overrides]
     # DeepSpeed's ops, built at its first start (~50 s on the CPU), reused from the tests' cache.
-    key = hashlib.sha1(os.path.abspath(sys.prefix).encode()).hexdigest()[:12]  # as tests/conftest.py
-    os.environ.setdefault(
-        "TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~/.cache/mmrl/torch_extensions"), key)
-    )
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
 
     ray = None
     if any("backend=ray" in o for n in names for o in LAYOUTS[n]):

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
+
+from mmrl.distributed import torch_extensions_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # DeepSpeed builds its C++ ops on first use (a communication op at its first `initialize`, ~50 s
 # on the CPU): one folder per virtual environment (as the Makefile's), so every later test run,
-# and every process of one, reuses them; a build records the environment's paths.
-_VENV_KEY = hashlib.sha1(os.path.abspath(sys.prefix).encode()).hexdigest()[:12]
-os.environ.setdefault(
-    "TORCH_EXTENSIONS_DIR", os.path.join(os.path.expanduser("~/.cache/mmrl/torch_extensions"), _VENV_KEY)
-)
+# and every process of one, reuses them.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

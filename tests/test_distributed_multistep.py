@@ -46,17 +46,19 @@ LAYOUTS = {
     "full": [f"optim.lr={LR['full']}"],
     "lora": ["model.lora_rank=4", f"optim.lr={LR['lora']}"],
 }
-# Tolerances, per step. Weights: 2% of one Adam step, 0.02 x the layout's rate (2e-5 at lr 1e-3,
-# the one-step tests'): float32 rounding of the gradient, which Adam's early steps turn into up
-# to a step's fraction on weights whose gradient is near 0 (g / (|g| + eps)), so it scales with
-# the rate. A 2-core CI machine (other reduction orders) measured 4.4e-5 for ZeRO-3 LoRA at lr
-# 1e-2, where the 2e-5 of full fine-tuning's rate had been applied to it. The loss, gradient norm and reference KL: 1e-5 relative (float32 sums in
-# another order). Measured over the 3 steps (December 2026): weights 1.0e-5 (FSDP2 full, ZeRO-2
-# full, ZeRO-3 LoRA), 8.1e-6 (ZeRO-3 full), 2.1e-6 (FSDP2 and ZeRO-2 LoRA); the metrics at most
-# 7.4e-7 relative. Giving each process a loss share of 1/2 instead (averaging the processes'
-# losses, the usual data-parallel shortcut) moved the weights by 4e-3 after one step (200x the
-# full layout's tolerance; measured by the one-update FSDP2 test this file's first step replaced). Before the group's losses were merged per mini-batch, its `actor/pg_loss` was
-# -0.056 where the single process's was 0.221 (shares that differ between mini-batches).
+# Tolerances, per step. Weights: 2% of one Adam step, 0.02 x the layout's rate (2e-5 at lr 1e-3):
+# float32 rounding of the gradient, which Adam's early steps turn into up to a step's fraction on
+# weights whose gradient is near 0 (g / (|g| + eps)), so it scales with the rate. A 2-core CI
+# machine (other reduction orders) measured 4.4e-5 for ZeRO-3 LoRA at lr 1e-2, where the 2e-5 of
+# full fine-tuning's rate had been applied to it. The loss, gradient norm and reference KL: 1e-5
+# relative (float32 sums in another order). Measured over the 3 steps (December 2026): weights
+# 1.0e-5 (FSDP2 full, ZeRO-2 full, ZeRO-3 LoRA), 8.1e-6 (ZeRO-3 full), 2.1e-6 (FSDP2 and ZeRO-2
+# LoRA); the metrics at most 7.4e-7 relative. Giving each process a loss share of 1/2 instead
+# (averaging the processes' losses, the usual data-parallel shortcut) moved the weights by 4e-3
+# after one step (200x the full layout's tolerance; measured by the one-update FSDP2 test this
+# file's first step replaced). Before the group's losses were merged per mini-batch, its
+# `actor/pg_loss` was -0.056 where the single process's was 0.221 (shares that differ between
+# mini-batches).
 PARAM_ATOL = {layout: 0.02 * lr for layout, lr in LR.items()}
 REL = 1e-5
 
