@@ -30,7 +30,7 @@ from mmrl.types import AnswerLimits, Sample, VerifierResult, VerifyContext
 from mmrl.verifier_pool import Job, PoolThread, VerifierPool, import_plugins
 from mmrl.verifiers.registry import get_verifier, warm_up_verifiers
 
-if TYPE_CHECKING:  # the verifier workers unpickle this module's scorer: they never load torch
+if TYPE_CHECKING:  # the verifier workers and Ray's reward workers import this module: no torch
     import torch
 
 log = logging.getLogger(__name__)
@@ -57,14 +57,7 @@ class RewardBatch:
     def gather(cls, samples: list[Sample], results: list[VerifierResult]) -> RewardBatch:
         """The results of a batch in row order; each error is logged with its sample id and
         counted under its sample's `verifier/data_source`."""
-        for sample, result in zip(samples, results):
-            if result.error is not None:
-                log.warning(
-                    "verifier %s failed on sample %s: %s",
-                    sample.reward_model.verifier,
-                    sample.id,
-                    result.error,
-                )
+        log_errors(samples, results)
         return cls.of(results, samples)
 
     @classmethod
@@ -104,6 +97,15 @@ class RewardBatch:
         import torch
 
         return torch.tensor([r.components.get(name, float("nan")) for r in self.results], dtype=torch.float32)
+
+
+def log_errors(samples: list[Sample], results: list[VerifierResult]) -> None:
+    """Log each verifier error with its verifier and sample id."""
+    for sample, result in zip(samples, results):
+        if result.error is not None:
+            log.warning(
+                "verifier %s failed on sample %s: %s", sample.reward_model.verifier, sample.id, result.error
+            )
 
 
 def model_reward_failed(

@@ -18,13 +18,8 @@ ray = pytest.importorskip("ray")
 from mmrl.compose import train  # noqa: E402
 from mmrl.config import load_config  # noqa: E402
 from mmrl.datasets.procedural import make_samples  # noqa: E402
-from mmrl.distributed.ray_backend import (  # noqa: E402
-    RayCluster,
-    RayRouter,
-    RewardWorker,
-    RolloutPool,
-    RolloutWorker,
-)
+from mmrl.distributed.ray_backend import RayCluster, RayRouter, RolloutPool, RolloutWorker  # noqa: E402
+from mmrl.distributed.reward_worker import RewardWorker  # noqa: E402
 from mmrl.rollout.hf import SamplingParams  # noqa: E402
 from mmrl.router import Router  # noqa: E402
 from mmrl.types import VerifyContext  # noqa: E402
@@ -134,6 +129,16 @@ def test_responses_are_spread_over_the_reward_workers_and_a_killed_one_is_replac
     rewards = router.score(samples, texts, VerifyContext())  # split between the two
     torch.testing.assert_close(rewards.scores, expected)
     assert router.scored() == [4, 4]
+
+    # A reward worker without model rewards runs verifiers only: it never loads torch or
+    # transformers (importing them cost each actor 3.4 CPU-seconds and 0.84 GB).
+    def heavy_modules(actor) -> list[str]:  # a local function: sent by value, run in the actor
+        import sys
+
+        return [name for name in ("torch", "transformers") if name in sys.modules]
+
+    heavy = [ray.get(a.__ray_call__.remote(heavy_modules)) for a in router.actors]
+    assert heavy == [[], []], heavy
     pending = router.start(VerifyContext(), len(samples))
     for row, (sample, text) in enumerate(zip(samples, texts)):
         pending.add(row, sample, text)  # each to the worker with the fewest rows waiting

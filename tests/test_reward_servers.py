@@ -174,7 +174,7 @@ def test_a_server_not_ready_at_the_start_is_skipped_and_the_others_used():
 
 
 def test_the_config_takes_a_list_of_servers_and_the_router_spreads_over_them():
-    from mmrl.train.grpo import make_router
+    from mmrl.routing import make_router
 
     cfg = load_config(overrides=[f"reward.remote_url=[{','.join(URLS)}]", "reward.remote_batch_size=8"])
     router = make_router(cfg)

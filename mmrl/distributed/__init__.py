@@ -6,6 +6,7 @@
     one_update.py       one update of the group on a saved step, launched by torchrun
     ray_backend.py      trainer.backend=ray: rollout workers, reward workers and the training
                         group as Ray actors, composed into the same loop as the local backend
+    reward_worker.py    the reward workers' actor class, in a module that loads no torch
 
 Ray, DeepSpeed and the group's launch are imported lazily: a local run with the default strategy
 needs nothing here.

@@ -57,12 +57,13 @@ from typing import Any
 import torch
 
 from mmrl.config import Config
+from mmrl.distributed.reward_worker import RewardWorker
 from mmrl.distributed.training_group import merge_metrics
 from mmrl.models.adapters import apply_lora, is_lora, merged_state_dict, param_groups
 from mmrl.models.loading import Policy
 from mmrl.rollout.hf import SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch
-from mmrl.train.grpo import Composition, Trainee, grpo_step, lr_lambda, make_router
+from mmrl.train.grpo import Composition, Trainee, grpo_step, lr_lambda
 from mmrl.types import RolloutBatch, Sample, VerifierResult, VerifyContext
 
 log = logging.getLogger(__name__)
@@ -150,85 +151,6 @@ class RolloutWorker:
 
     def wake(self) -> None:
         self.engine.wake()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-class RewardWorker:
-    """A verifier router (or a reward-server client) in its own actor; one of
-    `trainer.reward_workers`, each scoring the rows the driver sends it."""
-
-    def __init__(self, cfg: Config, threads: int):
-        if threads > 0:
-            torch.set_num_threads(threads)
-        self.router = make_router(cfg)
-        self.pending: dict[str, Any] = {}
-        self.rows_scored = 0
-        self.placement = None
-        mr = cfg.reward.model_rewards
-        if mr.models:  # model rewards, placed by the local rules on this actor's device
-            from mmrl.rewards.catalog import build_reward_models
-            from mmrl.rewards.config import accelerator_device
-            from mmrl.rewards.placement import RewardPlacement
-            from mmrl.verifier_pool import import_plugins
-
-            import_plugins(cfg.reward.plugins)  # reward model types registered by plugins
-            device = "cuda" if torch.cuda.is_available() else "cpu"  # Ray exposes its GPU as cuda:0
-            budget = None if mr.placement.budget_mb is None else int(mr.placement.budget_mb * 2**20)
-            self.placement = RewardPlacement(
-                build_reward_models(mr, device), accelerator=accelerator_device(mr.placement, device),
-                host=mr.placement.host, budget_bytes=budget,
-            )  # fmt: skip
-
-    def warm_up(self) -> float:
-        return self.router.warm_up()
-
-    def start(self, key: str, context: VerifyContext, n_rows: int) -> None:
-        self.pending[key] = self.router.start(context, n_rows)
-
-    def add(self, key: str, row: int, sample: Sample, text: str) -> None:
-        self.pending[key].add(row, sample, text)
-
-    def wait(
-        self, key: str, rows: list[int], samples: list[Sample | None], texts: list[str | None]
-    ) -> list[VerifierResult]:
-        """The results of `rows` of batch `key` (`samples` and `texts` are the batch's, filled
-        at these rows); a row never added here is scored now."""
-        results = self.pending[key].wait(rows, samples, texts)
-        self.rows_scored += len(rows)
-        return results
-
-    def release(self, key: str) -> None:
-        self.pending.pop(key, None)
-
-    def score(self, samples: list[Sample], texts: list[str], context: VerifyContext) -> RewardBatch:
-        self.rows_scored += len(samples)
-        return self.router.score(samples, texts, context)
-
-    def scored(self) -> int:
-        """Rows this worker returned results for."""
-        return self.rows_scored
-
-    def score_models(
-        self, samples: list[Sample], texts: list[str]
-    ) -> tuple[list[dict[str, float]], dict[int, tuple[str, str]]]:
-        """The model rewards of these rows (`RewardPlacement.score_rows`) and the failed rows."""
-        failures: dict[int, tuple[str, str]] = {}
-        return self.placement.score_rows(samples, texts, failures), failures
-
-    def before_update(self) -> None:
-        """The policy is about to train: offloaded reward models go to host memory."""
-        self.placement.before_update()
-
-    def placement_metrics(self) -> dict[str, float]:
-        return self.placement.metrics()
-
-    def node(self) -> str:
-        return _ray().get_runtime_context().get_node_id()
-
-    def close(self) -> None:
-        self.router.close()
 
     def pid(self) -> int:
         return os.getpid()
@@ -478,7 +400,7 @@ class RayRouter:
             actor, ref = refs[slot]
             for _ in range(MAX_REWARD_RESTARTS + 1):
                 try:
-                    results.extend(self.ray.get(ref).results)
+                    results.extend(self.ray.get(ref))
                     break
                 except self.ray.exceptions.RayActorError as exc:
                     self.replace(slot, actor, exc)

@@ -57,6 +57,7 @@ from mmrl.rewards.config import accelerator_device
 from mmrl.rewards.placement import RewardPlacement
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch, Router, model_reward_failed
+from mmrl.routing import make_router
 from mmrl.train.baselines import greedy_baselines
 from mmrl.train.batching import select_rows
 from mmrl.train.checkpoint import (
@@ -1094,18 +1095,6 @@ def score_rollouts(t: Trainee, batch: RolloutBatch, context: VerifyContext) -> R
 def overlap_rewards(cfg: Config) -> bool:
     """Score responses while generation goes on (needs worker processes or a reward server)."""
     return cfg.reward.overlap and (cfg.reward.num_workers > 0 or bool(cfg.reward.remote_url))
-
-
-def make_router(cfg: Config) -> Router:
-    """Local verifier workers, or a remote reward server with the same interface."""
-    r = cfg.reward
-    if r.remote_url:
-        from mmrl.server.client import RemoteRouter
-
-        return RemoteRouter(
-            r.remote_url, time_limit_s=r.time_limit_s, plugins=r.plugins, batch_size=r.remote_batch_size
-        )
-    return Router(r.num_workers, r.time_limit_s, r.plugins, answer_limits=r.answer_limits)
 
 
 def lr_lambda(cfg: Config):
