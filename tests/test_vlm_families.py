@@ -232,13 +232,13 @@ def test_lora_adapts_the_language_model_of_every_family_and_freezing_finds_its_p
 
 
 # The shortened recipe of test_families.py (60 steps at a constant learning rate, greedy held-out
-# accuracy on 512 prompts; here also at step 30, as in the measured run) on a LLaVA 1.5 built-in
-# base: a non-Qwen family learns the built-in task through the same loop. Its base is warmed up
-# once per cache (a second base beside the Qwen one).
+# accuracy on 512 prompts at the ends) on a LLaVA 1.5 built-in base: a non-Qwen family learns the
+# built-in task through the same loop. Its base is warmed up once per cache (a second base beside
+# the Qwen one).
 LLAVA_RECIPE = [
     "model.tiny.architecture=llava",
     "trainer.total_steps=60",
-    "trainer.eval_every=30",
+    "trainer.eval_every=60",
     "optim.schedule=constant",
     "trainer.progress=false",
     "trainer.save_final=false",
