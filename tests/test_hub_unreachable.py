@@ -54,7 +54,7 @@ def _online_env(endpoint: str, tmp_path) -> dict[str, str]:
     env = dict(os.environ, PYTHONSAFEPATH="1", HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf"))
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE"):
         env.pop(key, None)
-    env["MMRL_HUB_TIMEOUT"] = "2"
+    env["MMRL_HUB_TIMEOUT"] = "1"  # each test waits this long for the silent hub
     return env
 
 
@@ -66,7 +66,7 @@ def _assert_one_clear_error(out: subprocess.CompletedProcess, what: str) -> None
     assert "Retrying in" not in out.stderr and "thrown while requesting" not in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert what in out.stderr, out.stderr[-3000:]
-    assert "did not answer within 2 s" in out.stderr
+    assert "did not answer within 1 s" in out.stderr
     assert "Set HF_HUB_OFFLINE=1 to use only the local cache, or pass a local folder instead" in out.stderr
 
 
@@ -115,7 +115,7 @@ def test_load_policy_and_a_hub_dataset_fail_fast_suggesting_the_flag(silent_hub,
     assert lines[1].startswith(
         "ValueError: data source 'some-org/some-data@train': hub dataset 'some-org/some-data'"
     )
-    assert "did not answer within 2 s" in lines[1] and "HF_HUB_OFFLINE=1" in lines[1]
+    assert "did not answer within 1 s" in lines[1] and "HF_HUB_OFFLINE=1" in lines[1]
 
 
 def test_the_only_request_is_the_one_that_is_timed(silent_hub, tmp_path):
@@ -130,7 +130,7 @@ def test_the_only_request_is_the_one_that_is_timed(silent_hub, tmp_path):
         tmp_path,
     )
     assert out.returncode == 2, out.stderr[-3000:]
-    assert "did not answer within 2 s" in out.stderr
+    assert "did not answer within 1 s" in out.stderr
     received = silent_hub.received[before:]
     assert len(received) == 1, received
     assert received[0].startswith("GET /api/models/some-org/some-vlm"), received
