@@ -181,7 +181,7 @@ def _modules_after(code: str) -> set[str]:
 # mmrl.config: every `--help` and config error; the reward worker: each Ray reward worker's actor
 # (and its verifier processes) import only this, unless the run has model rewards.
 @pytest.mark.parametrize("module", ["mmrl.config", "mmrl.distributed.reward_worker"])
-def test_import_mmrl_config_leaves_torch_and_transformers_out(module):
+def test_importing_a_light_module_leaves_torch_and_transformers_out(module):
     loaded = _modules_after(f"import {module}")
     assert "mmrl" in loaded
     assert not loaded & {"torch", "transformers"}, loaded & {"torch", "transformers"}
