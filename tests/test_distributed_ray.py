@@ -131,7 +131,7 @@ def test_responses_are_spread_over_the_reward_workers_and_a_killed_one_is_replac
     assert router.scored() == [4, 4]
 
     # A reward worker without model rewards runs verifiers only: it never loads torch or
-    # transformers (importing them cost each actor 3.4 CPU-seconds and 0.84 GB).
+    # transformers (importing them cost each actor 3.4 CPU-seconds and 840 MiB).
     def heavy_modules(actor) -> list[str]:  # a local function: sent by value, run in the actor
         import sys
 

@@ -2,7 +2,7 @@
 
 A module of its own so that the actor imports only what scoring needs. Ray starts an actor by
 importing its class's module; from `ray_backend.py` that meant the trainer, torch and
-transformers (3.4 CPU-seconds and 0.84 GB resident per actor, measured) for a process that
+transformers (3.4 CPU-seconds and 840 MiB resident per actor, measured) for a process that
 runs verifiers. Here nothing imports torch unless the run has model rewards, which this worker
 then places and runs (`RewardPlacement`). Tested: `tests/test_distributed_ray.py` asks running
 reward workers what they have loaded, and `tests/test_cli.py` imports this module alone; measured
