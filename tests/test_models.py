@@ -169,3 +169,55 @@ def test_processes_that_need_the_same_base_at_once_build_it_once(tmp_path, monke
         t.join()
     assert len(builds) == 1
     assert len(paths) == 2 and paths[0] == paths[1] and (paths[0] / "warmup.json").exists()
+
+
+# --- saving without DeepSpeed (mmrl.models.saving) ------------------------------------------------
+def test_a_training_process_saves_a_model_without_importing_deepspeed(tmp_path):
+    """transformers' save_pretrained asks accelerate to unwrap the model, which imported DeepSpeed
+    only to check for a DeepSpeedEngine (1.5 CPU-seconds and a console line at the first save of
+    every run, measured). After the training entry points' call, a save leaves DeepSpeed out and
+    the folder loads back."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from mmrl.models.saving import skip_unused_deepspeed_probe\n"
+        "from mmrl.models.tiny import TinyVLMSpec, build_tiny_vlm\n"
+        "skip_unused_deepspeed_probe()\n"
+        f"build_tiny_vlm(TinyVLMSpec(), seed=0).save_pretrained({str(tmp_path / 'model')!r})\n"
+        "print('deepspeed' in sys.modules)\n"
+    )
+    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False"]
+    assert "Setting accelerator" not in out.stderr
+    assert AutoModelForImageTextToText.from_pretrained(tmp_path / "model") is not None
+
+
+def test_with_deepspeed_imported_accelerate_is_asked_as_before(monkeypatch):
+    """A model can be a DeepSpeedEngine only once DeepSpeed is imported: then accelerate's own
+    answer is used, so an engine is still unwrapped."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+    import types
+
+    from accelerate.utils import imports, other
+
+    from mmrl.models.saving import skip_unused_deepspeed_probe
+
+    installed = "deepspeed" in sys.modules or importlib.util.find_spec("deepspeed") is not None
+    assert imports.is_deepspeed_available() is installed
+    monkeypatch.setattr(other, "is_deepspeed_available", other.is_deepspeed_available)  # undone after
+    skip_unused_deepspeed_probe()
+    skip_unused_deepspeed_probe()  # idempotent: one wrapper, not two
+    assert other.is_deepspeed_available.mmrl_imported_only
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+    assert other.is_deepspeed_available() is False
+    stub = types.ModuleType("deepspeed")  # as if imported (importing it costs 1.5 s)
+    stub.__spec__ = importlib.util.find_spec("deepspeed") or importlib.machinery.ModuleSpec("deepspeed", None)
+    monkeypatch.setitem(sys.modules, "deepspeed", stub)
+    assert other.is_deepspeed_available() is installed

@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from mmrl.algos.sde import clipped_step_loss, flow_grpo_advantages, mean_kl
 from mmrl.models.precision import Precision, adamw, place, precision_from
+from mmrl.models.saving import skip_unused_deepspeed_probe
 from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
 from mmrl.rollout.diffusion import FlowSampler, Trajectory, choose_sde_steps
 from mmrl.train.ema import EMA
@@ -212,6 +213,7 @@ def holding_the_run_dir(cfg: FlowConfig, run: Callable[[FlowConfig], FlowTrainRe
     if not cfg.trainer.run_dir:
         cfg = copy.deepcopy(cfg)
         cfg.trainer.run_dir = f"runs/{cfg.data.task}-{time.strftime('%Y%m%d-%H%M%S')}"
+    skip_unused_deepspeed_probe()  # saves need not import DeepSpeed (mmrl.models.saving)
     with hold_run_dir(cfg.trainer.run_dir, "mmrl train"):
         return run(cfg)
 

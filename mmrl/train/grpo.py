@@ -52,6 +52,7 @@ from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
 from mmrl.models.precision import Precision, adamw, place, precision_from
+from mmrl.models.saving import skip_unused_deepspeed_probe
 from mmrl.rewards.catalog import build_reward_models
 from mmrl.rewards.config import accelerator_device
 from mmrl.rewards.placement import RewardPlacement
@@ -217,6 +218,7 @@ def train(cfg: Config, compose: Composition | None = None) -> TrainResult:
     The other compositions (Ray, async, DeepSpeed, colocated vLLM) are chosen by name above this
     loop, in `mmrl.compose`; `mmrl.compose.train(cfg)` picks the one `cfg` asks for."""
     t_start = time.monotonic()
+    skip_unused_deepspeed_probe()  # saves need not import DeepSpeed (mmrl.models.saving)
     if compose is None:
         other = asks_for_another_composition(cfg)
         if other is not None:
