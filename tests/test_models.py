@@ -192,8 +192,7 @@ def test_a_training_process_saves_a_model_without_importing_deepspeed(tmp_path):
     env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["False"]
-    assert "Setting accelerator" not in out.stderr
+    assert out.stdout.split() == ["False"]  # and no DeepSpeed line (it prints to stdout)
     assert AutoModelForImageTextToText.from_pretrained(tmp_path / "model") is not None
 
 
