@@ -14,12 +14,9 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 # mkdocs 1.x prints a banner about its successor on every build.
 export NO_MKDOCS_2_WARNING := 1
-# DeepSpeed installs without building its C++ ops; they are built on first use and cached here
-# (kept across runs and CI jobs, shared by every process of a run). One folder per virtual
-# environment: a build records the environment's paths, so two checkouts sharing one folder
-# would each build the ops again (about a minute of both cores) after the other had run.
+# DeepSpeed installs without building its C++ ops; they are built on first use, into one folder
+# per virtual environment that tests/conftest.py names (mmrl.distributed.torch_extensions_dir).
 export DS_BUILD_OPS := 0
-export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/mmrl/torch_extensions/$(shell printf '%s' "$(abspath $(VENV))" | sha1sum | cut -c1-12)
 
 .PHONY: install run test test-fast docs wheel-check lint format bench clean
 

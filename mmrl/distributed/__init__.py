@@ -22,7 +22,8 @@ import sys
 def torch_extensions_dir() -> str:
     """Where DeepSpeed builds and caches its C++ ops (`TORCH_EXTENSIONS_DIR`) for the tests and
     the benchmarks: `~/.cache/mmrl/torch_extensions/<key>`, the key a hash of this virtual
-    environment's path (the Makefile computes the same). A build records the environment's paths,
-    so two environments sharing one folder would each build the ops again after the other."""
+    environment's path. Kept across runs and CI jobs, shared by every process of a run; one per
+    environment because a build records the environment's paths, so two checkouts sharing one
+    folder would each build the ops again (about a minute of both cores) after the other."""
     key = hashlib.sha1(os.path.abspath(sys.prefix).encode()).hexdigest()[:12]
     return os.path.join(os.path.expanduser("~/.cache/mmrl/torch_extensions"), key)

@@ -49,7 +49,7 @@ list length".
 
 Compiled ops: DeepSpeed builds its C++ ops on first use (`DS_BUILD_OPS=0` installs none): on the
 CPU a communication op (~50 s) at the first `initialize`, CPU Adam (~75 s) at the first engine with
-optimizer offload. They are cached in `TORCH_EXTENSIONS_DIR` (the tests and the Makefile point it
+optimizer offload. They are cached in `TORCH_EXTENSIONS_DIR` (the tests and the benchmarks point it
 at a folder per virtual environment under `~/.cache/mmrl/torch_extensions`).
 """
 
