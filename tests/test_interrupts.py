@@ -43,6 +43,9 @@ def _interrupt_when(
         env=env,
         cwd=cwd,
         start_new_session=True,
+        # As from a terminal: a shell without job control starts background commands with SIGINT
+        # ignored, and Python then installs no KeyboardInterrupt handler in the child.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     before = []
     for line in proc.stderr:
