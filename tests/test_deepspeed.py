@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -401,10 +402,14 @@ LORA_ATOL = 2e-4
 
 
 @pytest.mark.slow
-def test_a_ray_run_with_a_zero3_lora_group_resumes_exactly(deepspeed, tmp_path, tmp_path_factory, step_files):
+def test_a_ray_run_with_a_zero3_lora_group_resumes_exactly(
+    deepspeed, tmp_path, tmp_path_factory, step_files, caplog
+):
     """The Ray backend's resume with DeepSpeed: each process of a new ZeRO-3 group gets the
     checkpoint's adapters and the consolidated optimizer state (`DeepSpeedLearner.load_state`);
-    2 steps in one run and 1 + 1 with a resume in between give the same metrics and adapters."""
+    2 steps in one run, and the same run cut back to its first checkpoint (as if killed right
+    after it: step 2's checkpoint gone, its metrics lines left behind) then resumed, give the
+    same metrics and adapters."""
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              _temp_dir=str(tmp_path_factory.mktemp("ray")))  # fmt: skip
@@ -414,15 +419,25 @@ def test_a_ray_run_with_a_zero3_lora_group_resumes_exactly(deepspeed, tmp_path, 
     try:
         whole = train(load_config("vision_reasoning", overrides=[*common, "trainer.total_steps=2",
                                                                  f"trainer.run_dir={tmp_path / 'whole'}"]))  # fmt: skip
+        # Checkpoint 1 of this deterministic run is the one a 1-step run writes (the comparison
+        # below proves the runs equal); copying it saves starting the actors for that run.
+        shutil.copytree(whole.run_dir, tmp_path / "part")
+        shutil.rmtree(tmp_path / "part/checkpoints/step_00000002")
         part = [*common, f"trainer.run_dir={tmp_path / 'part'}"]
-        train(load_config("vision_reasoning", overrides=[*part, "trainer.total_steps=1"]))
-        resumed = train(
-            load_config("vision_reasoning", overrides=[*part, "trainer.total_steps=2", "trainer.resume=auto"])
-        )
+        with caplog.at_level(logging.INFO, logger="mmrl.train.grpo"):
+            resumed = train(
+                load_config(
+                    "vision_reasoning", overrides=[*part, "trainer.total_steps=2", "trainer.resume=auto"]
+                )
+            )
     finally:
         ray.shutdown()
     assert resumed.steps == 2
-    assert _metrics(tmp_path / "part") == _metrics(whole.run_dir)
+    assert any(
+        "resumed from" in r.getMessage() and "step_00000001 at step 1" in r.getMessage()
+        for r in caplog.records
+    )
+    assert _metrics(tmp_path / "part") == _metrics(whole.run_dir)  # step 2's old lines dropped, not repeated
     steps = [r for r in _metrics(whole.run_dir) if "actor/grad_norm" in r]
     assert len(steps) == 2 and all(r["actor/grad_norm"] > 0 for r in steps)
     from safetensors.torch import load_file
