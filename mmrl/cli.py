@@ -252,15 +252,18 @@ def _train_overrides(args: argparse.Namespace) -> list[str]:
 def _train_diffusion(args: argparse.Namespace, cfg) -> int:
     """flow-GRPO on a diffusion pipeline (`configs/<task>.yaml` with `kind: diffusion`)."""
     from mmrl.config import recipe_kind
+    from mmrl.heap import imports_without_gc
     from mmrl.train.storage import StorageError
 
     try:
         if recipe_kind(args.task) == "decoupled":  # a planner in front of the pipeline
-            from mmrl.train.decoupled import run_decoupled
+            with imports_without_gc():
+                from mmrl.train.decoupled import run_decoupled
 
             result = run_decoupled(cfg)
         else:
-            from mmrl.train.flow_grpo import run_text_to_image
+            with imports_without_gc():
+                from mmrl.train.flow_grpo import run_text_to_image
 
             result = run_text_to_image(cfg)
     except (ValueError, FileNotFoundError) as exc:
@@ -310,7 +313,10 @@ def _train(args: argparse.Namespace) -> int:
 
     if recipe_kind(args.task) in ("diffusion", "decoupled"):
         return _train_diffusion(args, report.config)
-    from mmrl.compose import train
+    from mmrl.heap import imports_without_gc
+
+    with imports_without_gc():  # torch, transformers and the trainer (mmrl.heap)
+        from mmrl.compose import train
     from mmrl.datasets.schema import SampleError
     from mmrl.train.storage import StorageError
 

@@ -31,7 +31,6 @@ import atexit
 import concurrent.futures
 import contextlib
 import functools
-import gc
 import importlib
 import logging
 import math
@@ -47,6 +46,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+from mmrl.heap import freeze_heap
 from mmrl.verifiers.registry import VerifierTimeout, keep_alarm_handler
 
 log = logging.getLogger(__name__)
@@ -141,14 +141,6 @@ def _worker_main(inbox, outbox, progress, plugins: tuple[str, ...], scorer: Scor
                     out.append(scorer.error_result(f"{type(exc).__name__}: {exc}"))
             progress[2] = 0.0
             outbox.send_bytes(pickle.dumps((seq, out), protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def freeze_heap() -> None:
-    """Move everything allocated so far (modules, verifiers' caches) out of the garbage
-    collector's view: the full collections that the per-request garbage triggers would
-    otherwise walk that whole heap again and again."""
-    gc.collect()
-    gc.freeze()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -179,8 +179,11 @@ def _modules_after(code: str) -> set[str]:
 
 
 # mmrl.config: every `--help` and config error; the reward worker: each Ray reward worker's actor
-# (and its verifier processes) import only this, unless the run has model rewards.
-@pytest.mark.parametrize("module", ["mmrl.config", "mmrl.distributed.reward_worker"])
+# (and its verifier processes) import only this, unless the run has model rewards; the rollout
+# and training actors' module, so that their constructors import torch with the collector paused.
+@pytest.mark.parametrize(
+    "module", ["mmrl.config", "mmrl.distributed.reward_worker", "mmrl.distributed.actors"]
+)
 def test_importing_a_light_module_leaves_torch_and_transformers_out(module):
     loaded = _modules_after(f"import {module}")
     assert "mmrl" in loaded

@@ -23,7 +23,10 @@ The pieces plug into the same `Trainee` as the local backend: the rollout worker
 `engine` (`RolloutPool`), the reward workers its `router` (`RayRouter`) and model rewards, the
 training group its learner (`RayTrainee.old_and_ref_logprobs` / `update_policy`); after each
 update the group's weights go to the driver's copy and from it to every rollout worker (one
-object in Ray's store). Metrics and the run directory are the local backend's.
+object in Ray's store). Metrics and the run directory are the local backend's. The actors'
+classes live in light modules (`mmrl.distributed.actors`, `mmrl.distributed.reward_worker`): Ray
+imports an actor's module to start it, and their constructors import the heavy libraries with
+the garbage collector paused (`mmrl.heap`).
 
 LoRA: the group trains the adapters (the KL reference is the base with them disabled); the
 driver's copy has the same adapters (checkpoints save them, the final save merges them); the
@@ -48,7 +51,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import threading
 import uuid
 from pathlib import Path
@@ -57,6 +59,7 @@ from typing import Any
 import torch
 
 from mmrl.config import Config
+from mmrl.distributed.actors import RolloutWorker, TrainWorker, lora_sync, ray_module
 from mmrl.distributed.reward_worker import RewardWorker
 from mmrl.distributed.training_group import merge_metrics
 from mmrl.models.adapters import apply_lora, is_lora, merged_state_dict, param_groups
@@ -74,118 +77,12 @@ READY_TIMEOUT_S = 300.0
 """How long the placement group and the actors' start may take before the run stops."""
 
 
-def _ray():
-    try:
-        import ray
-    except ImportError as exc:  # pragma: no cover - the distributed extra is not installed
-        raise ImportError("trainer.backend=ray needs Ray: pip install 'mmrl[distributed]'") from exc
-    return ray
+_ray = ray_module
 
 
 def _light(sample: Sample) -> Sample:
     """Verifiers never need the pixels: send samples to the reward worker without them."""
     return dataclasses.replace(sample, images=[])
-
-
-# ---------------------------------------------------------------------------------------------
-# The actors (plain classes; `ray.remote` is applied when they are started)
-# ---------------------------------------------------------------------------------------------
-
-
-class RolloutWorker:
-    """A rollout engine with its own copy of the policy."""
-
-    def __init__(self, cfg: Config, model_path: str, seed: int, threads: int):
-        from mmrl.models.loading import load_inference_policy
-        from mmrl.train.async_grpo import make_rollout_engine
-        from mmrl.train.grpo import seed_everything
-
-        if threads > 0:
-            torch.set_num_threads(threads)
-        seed_everything(seed)  # every generator it has, so its checkpointed state is the run's own
-        # On the actor's own device (Ray exposes its GPU as cuda:0), in the compute dtype.
-        policy = load_inference_policy(model_path, cfg.trainer.device, cfg.model.dtype, cfg.model.revision)
-        if lora_sync(cfg) == "adapters":  # the same adapters as the policy's, run unmerged
-            from mmrl.models.adapters import apply_lora
-
-            policy.model = apply_lora(policy.model, cfg)
-        self.engine = make_rollout_engine(cfg, policy)
-
-    def generate(
-        self, samples: list[Sample], params: SamplingParams
-    ) -> tuple[RolloutBatch, dict[str, float]]:
-        """The rollouts, and the engine's facts about them (`HFRolloutEngine.rollout_metrics`:
-        decode form, LoRA merged, decode step time) in the same reply."""
-        batch = self.engine.generate(samples, params)
-        facts = getattr(self.engine, "rollout_metrics", None)
-        return batch, facts() if callable(facts) else {}
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor], adapters: bool = False) -> None:
-        """The policy's new weights: all of them, or (`adapters`) every LoRA adapter weight."""
-        model = getattr(self.engine, "model", None)
-        if isinstance(model, torch.nn.Module):  # HF: every key must match, nothing silently kept
-            own = model.state_dict().keys()
-            expected = {k for k in own if ".lora_" in k} if adapters else own
-            missing, unexpected = expected - state_dict.keys(), state_dict.keys() - expected
-            if missing or unexpected:
-                raise KeyError(f"weights do not fit the rollout model: missing {sorted(missing)[:5]}, "
-                               f"unexpected {sorted(unexpected)[:5]}")  # fmt: skip
-        self.engine.load_weights(state_dict)
-
-    def rng_state(self) -> dict[str, Any]:
-        """The sampling generators' state (a checkpoint's, to resume exactly)."""
-        from mmrl.train.checkpoint import rng_state
-
-        return rng_state()
-
-    def set_rng_state(self, state: dict[str, Any]) -> None:
-        from mmrl.train.checkpoint import set_rng_state
-
-        set_rng_state(state)
-
-    def node(self) -> str:
-        return _ray().get_runtime_context().get_node_id()
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake(self) -> None:
-        self.engine.wake()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-class TrainWorker:
-    """One process of the training group (a `GroupLearner` once `setup` has run)."""
-
-    def __init__(self, threads: int):
-        if threads > 0:
-            torch.set_num_threads(threads)
-        self.learner = None
-
-    def address(self) -> str:
-        """A rendezvous address on this node (rank 0's)."""
-        ray = _ray()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
-
-    def setup(self, cfg: Config, model_path: str, rank: int, world_size: int, init_method: str) -> None:
-        from mmrl.distributed.learners import learner_class
-
-        self.learner = learner_class(cfg)(cfg, model_path, rank, world_size, init_method)
-
-    def call(self, method: str, *args):
-        return getattr(self.learner, method)(*args)
-
-    def node(self) -> str:
-        return _ray().get_runtime_context().get_node_id()
-
-    def close(self) -> None:
-        if self.learner is not None:
-            self.learner.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -760,16 +657,6 @@ def make_ray_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -
         t.close()
         raise
     return t
-
-
-def lora_sync(cfg: Config) -> str | None:
-    """What the rollout workers receive with LoRA (`trainer.lora_sync`, `auto` resolved); None
-    without LoRA."""
-    if cfg.model.lora_rank == 0:
-        return None
-    if cfg.trainer.lora_sync != "auto":
-        return cfg.trainer.lora_sync
-    return "adapters" if cfg.rollout.engine == "hf" else "merged"
 
 
 def log_placement(ray, actors: dict[str, Any]) -> dict[str, str]:

@@ -33,12 +33,15 @@ class RewardWorker:
         self.placement = None
         mr = cfg.reward.model_rewards
         if mr.models:  # model rewards, placed by the local rules on this actor's device
-            import torch
+            from mmrl.heap import imports_without_gc
 
-            from mmrl.rewards.catalog import build_reward_models
-            from mmrl.rewards.config import accelerator_device
-            from mmrl.rewards.placement import RewardPlacement
-            from mmrl.verifier_pool import import_plugins
+            with imports_without_gc():
+                import torch
+
+                from mmrl.rewards.catalog import build_reward_models
+                from mmrl.rewards.config import accelerator_device
+                from mmrl.rewards.placement import RewardPlacement
+                from mmrl.verifier_pool import import_plugins
 
             if threads > 0:
                 torch.set_num_threads(threads)

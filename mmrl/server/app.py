@@ -53,13 +53,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from mmrl.heap import freeze_heap
 from mmrl.server import protocol
 from mmrl.server.config import ServeConfig, load_serve_config
 from mmrl.server.guard import Authenticator, ConnectionGuard, guarded_protocol, redact_access_log
 from mmrl.server.metrics import Metrics
 from mmrl.server.protocol import RequestError, WireResult
 from mmrl.server.scoring import server_pool
-from mmrl.verifier_pool import Busy, VerifierPool, freeze_heap
+from mmrl.verifier_pool import Busy, VerifierPool
 
 log = logging.getLogger("mmrl.server")
 

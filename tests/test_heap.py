@@ -1,0 +1,47 @@
+"""`mmrl.heap`: the garbage collector paused around a process's heavy imports, then the heap frozen."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from mmrl.heap import imports_without_gc
+
+
+@pytest.fixture()
+def collector():
+    """The collector enabled, nothing frozen, and left as found."""
+    was = gc.isenabled()
+    gc.enable()
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+    (gc.enable if was else gc.disable)()
+
+
+def test_the_collector_is_paused_inside_then_back_with_what_was_built_frozen(collector):
+    with imports_without_gc():
+        assert not gc.isenabled()
+        built = [[k] for k in range(1000)]  # lists: objects the collector tracks
+    assert gc.isenabled()
+    assert gc.get_freeze_count() >= len(built)
+
+
+def test_an_error_inside_still_turns_the_collector_back_on(collector):
+    with pytest.raises(ImportError), imports_without_gc():
+        raise ImportError("no such module")
+    assert gc.isenabled()
+
+
+def test_a_nested_block_leaves_it_to_the_outermost_and_a_disabled_collector_stays_so(collector):
+    with imports_without_gc():
+        with imports_without_gc():
+            pass
+        assert not gc.isenabled() and gc.get_freeze_count() == 0  # the inner block froze nothing
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    gc.unfreeze()
+    gc.disable()
+    with imports_without_gc():
+        pass
+    assert not gc.isenabled() and gc.get_freeze_count() == 0  # someone else's choice, kept
