@@ -20,12 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-import torch.distributed as dist
-
-from mmrl.config import load_config
-from mmrl.distributed.learners import learner_class
-from mmrl.distributed.training_group import merge_metrics
+from mmrl.heap import imports_without_gc
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,13 +43,18 @@ def main(argv: list[str] | None = None) -> None:
     if len(args.config) != len(args.out):
         parser.error(f"{len(args.config)} --config but {len(args.out)} --out: give one --out per --config")
 
+    with imports_without_gc():  # torch, transformers and the strategies' libraries (mmrl.heap)
+        import torch
+
+        from mmrl.config import load_config
+        from mmrl.distributed.learners import learner_class
+
+        configs = [load_config(config_file=config) for config in args.config]
+        classes = [learner_class(cfg) for cfg in configs]
     steps = [torch.load(path, weights_only=False) for path in args.step]
     init = None if args.init is None else torch.load(args.init, weights_only=False)
-    for i, (config, out) in enumerate(zip(args.config, args.out)):  # one process group for all
-        cfg = load_config(config_file=config)
-        learner = learner_class(cfg).from_env(
-            cfg, args.model, threads=args.threads, dtype=getattr(torch, args.dtype)
-        )
+    for i, (cfg, cls, out) in enumerate(zip(configs, classes, args.out)):  # one process group for all
+        learner = cls.from_env(cfg, args.model, threads=args.threads, dtype=getattr(torch, args.dtype))
         if init is not None:
             learner.load_state(init, None, 0)
         results = [one_update(learner, step) for step in steps]
@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
 def one_update(learner, step: dict) -> dict | None:
     """Old / reference log-probs of each process's rows, gathered; the group's update. Returns
     (on rank 0; None elsewhere) the weights after it, the merged metrics and the log-probs."""
+    import torch
+    import torch.distributed as dist
+
+    from mmrl.distributed.training_group import merge_metrics
+
     batch = step["batch"]
     rows, old, ref = learner.old_and_ref_logprobs(batch)
     parts: list = [None] * learner.world_size
