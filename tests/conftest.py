@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from mmrl.distributed import torch_extensions_dir
+from mmrl.heap import freeze_heap
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -103,6 +104,13 @@ def pytest_collection_modifyitems(config, items) -> None:
     collection order, so a learning run collected last (tests/test_vlm_families.py's) would start
     when the other workers are done and leave them idle; longest first balances the workers."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_collection_finish(session) -> None:
+    """What is built by now (torch, transformers, every test module: about a million objects)
+    lives as long as the test process; frozen out of the garbage collector's view, the full
+    passes that the tests' own garbage triggers walk only that garbage (`mmrl.heap`)."""
+    freeze_heap()
 
 
 def pytest_configure(config) -> None:

@@ -132,10 +132,12 @@ def model_dir(tmp_path_factory):
 # `in_checkpoint:<n>` (checkpoint n's files written into its temporary folder, no manifest yet).
 DRIVER = r"""
 import os, signal, sys
-import mmrl.distributed.ray_backend as rb
-import mmrl.train.checkpoint as ck
-import mmrl.train.grpo as grpo
-from mmrl.cli import main
+from mmrl.heap import imports_without_gc
+with imports_without_gc():  # as `mmrl train` imports the trainer
+    import mmrl.distributed.ray_backend as rb
+    import mmrl.train.checkpoint as ck
+    import mmrl.train.grpo as grpo
+    from mmrl.cli import main
 
 kind, _, at = os.environ.get("MMRL_TEST_KILL", "none:0").partition(":")
 at = int(at)

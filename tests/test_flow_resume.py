@@ -41,9 +41,11 @@ TINY = [
 # n's files written into its temporary folder, manifest not yet).
 DRIVER = r"""
 import os, signal, sys
-import mmrl.train.checkpoint as ck
-import mmrl.train.flow_grpo as fg
-from mmrl.cli import main
+from mmrl.heap import imports_without_gc
+with imports_without_gc():  # as `mmrl train` imports the trainer
+    import mmrl.train.checkpoint as ck
+    import mmrl.train.flow_grpo as fg
+    from mmrl.cli import main
 
 kind, _, at = os.environ.get("MMRL_TEST_KILL", "none:0").partition(":")
 at = int(at)

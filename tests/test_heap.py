@@ -11,13 +11,15 @@ from mmrl.heap import imports_without_gc
 
 @pytest.fixture()
 def collector():
-    """The collector enabled, nothing frozen, and left as found."""
-    was = gc.isenabled()
+    """The collector enabled, nothing frozen, and left as found (tests/conftest.py freezes the
+    test process's heap once collected)."""
+    was, frozen = gc.isenabled(), gc.get_freeze_count() > 0
     gc.enable()
     gc.unfreeze()
     yield
-    gc.unfreeze()
     (gc.enable if was else gc.disable)()
+    if frozen:
+        gc.freeze()
 
 
 def test_the_collector_is_paused_inside_then_back_with_what_was_built_frozen(collector):
