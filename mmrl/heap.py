@@ -2,9 +2,10 @@
 
 A process that imports torch and transformers holds ~440,000 objects that live as long as it
 does (modules, classes, functions, their tables). The collector's full passes walk all of them
-every time the heap has grown by a quarter, so while those libraries import it runs seven full
-passes over a growing heap: 0.7 of the 3.8 CPU-seconds that importing the trainer takes
-(measured on the 2-core machine; `benchmarks/startup_gc.py`). None of it is garbage. This module
+every time the heap has grown by a quarter, so while those libraries import it runs about seven
+full passes over a growing heap: 0.8 of the 3.5 CPU-seconds that importing the trainer takes, and
+a 2-step `mmrl train` uses 7.0 CPU-seconds with the pause against 9.1 without (measured on the
+2-core machine, `benchmarks/startup_gc.py`). None of it is garbage. This module
 pauses the collector while a process imports what it needs, then freezes what was built (moves it
 out of the collector's view, `gc.freeze`), so later full passes walk only what the run allocates.
 Reference counting frees memory as usual throughout; only cycles wait for the collector.
