@@ -47,3 +47,10 @@ def test_a_nested_block_leaves_it_to_the_outermost_and_a_disabled_collector_stay
     with imports_without_gc():
         pass
     assert not gc.isenabled() and gc.get_freeze_count() == 0  # someone else's choice, kept
+
+
+def test_tests_run_with_the_collector_on_and_the_collected_heap_frozen():
+    """tests/conftest.py keeps the collector off while the test process imports and collects,
+    then freezes that heap and turns it back on: every test runs with it on."""
+    assert gc.isenabled()
+    assert gc.get_freeze_count() > 100_000  # torch, transformers and the test modules
