@@ -84,8 +84,17 @@ def training_curves_figure(records: list[dict]):
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.tight_layout()
+    fixed_margins(fig, rows, cols)
     return fig
+
+
+def fixed_margins(fig, rows: int, cols: int) -> None:
+    """Margins and gaps for 4 x 3.2-inch panels with a title, an x label and short tick labels:
+    what `tight_layout` chooses for them, without it measuring every text (a quarter of a CPU-
+    second per figure, most of a run's plot; measured)."""
+    width, height = 4.0 * cols, 3.2 * rows
+    fig.subplots_adjust(left=0.55 / width, right=1 - 0.15 / width, bottom=0.5 / height,
+                        top=1 - 0.3 / height, wspace=0.3, hspace=0.45)  # fmt: skip
 
 
 def _line(ax, records: list[dict], key: str, label: str, style: str) -> None:
@@ -156,7 +165,7 @@ def plot_flow_curves(metrics_path: Path, out_path: Path, panels: list | None = N
         ax.grid(alpha=0.3)
         if len(ax.get_lines()) > 1:
             ax.legend(fontsize=7)
-    fig.tight_layout()
+    fixed_margins(fig, 1, len(panels))
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
     return out_path
