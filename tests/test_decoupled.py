@@ -323,7 +323,7 @@ def test_train_halves_leaves_the_other_half_unchanged(mmrl_cache, tmp_path):
 SHARED_BASE = [
     "model.warmup.max_steps=800",
     "model.warmup.object_scale=1.4",
-    "model.warmup.eval_every=200",
+    "model.warmup.eval_every=800",  # one validation, at its end (the same weights: tests/test_image_base.py)
     "model.warmup.target_accuracy=0.3",
 ]
 

@@ -32,7 +32,9 @@ def test_the_detection_reward_rises(mmrl_cache, tmp_path):
             "data.kinds=[detection]",
             "trainer.total_steps=40",
             "trainer.eval_every=40",
-            "trainer.eval_size=64",
+            # the evaluations at the two ends are not asserted on (greedy: they draw from no
+            # generator training uses, so their size changes nothing in the run)
+            "trainer.eval_size=16",
             "optim.schedule=constant",
             "trainer.progress=false",
             "trainer.save_final=false",

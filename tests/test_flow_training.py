@@ -428,7 +428,7 @@ def test_flow_grpo_raises_the_image_bases_reward_and_reports_both_splits(mmrl_ca
             f"model.cache_dir={mmrl_cache}",
             "model.warmup.max_steps=800",
             "model.warmup.object_scale=1.4",
-            "model.warmup.eval_every=200",
+            "model.warmup.eval_every=800",  # one validation, at its end (the same weights: tests/test_image_base.py)
             "model.warmup.target_accuracy=0.3",
             "trainer.total_steps=30",
             "trainer.eval_every=0",
