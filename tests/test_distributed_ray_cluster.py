@@ -56,12 +56,30 @@ def _env(**extra: str) -> dict[str, str]:
     )
 
 
-def _alive_nodes(address: str) -> int:
+def _wait_for_nodes(address: str, n: int, node: subprocess.Popen, failed) -> None:
+    """Until `n` nodes of the cluster at `address` are alive, while `node` (the `ray start`
+    process) runs (`failed()`: the message if it ends). One probe process joins the cluster and
+    watches `ray.nodes()`; it is started again only if it could not join yet (each start imports
+    Ray: a process per poll cost a CPU-second each)."""
     probe = (
-        "import ray; ray.init(address=%r, logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))"
+        "import ray, time\nray.init(address=%r, logging_level='ERROR')\n"
+        "while sum(x['Alive'] for x in ray.nodes()) < %d:\n    time.sleep(0.2)"
     )
-    out = subprocess.run([sys.executable, "-c", probe % address], env=_env(), capture_output=True, text=True)
-    return int(out.stdout.strip() or 0)
+    while True:
+        watcher = subprocess.Popen([sys.executable, "-c", probe % (address, n)], env=_env(),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            while watcher.poll() is None:
+                assert node.poll() is None, failed()
+                time.sleep(0.2)
+        finally:
+            if watcher.poll() is None:
+                watcher.kill()
+                watcher.wait()
+        if watcher.returncode == 0:
+            return
+        assert node.poll() is None, failed()
+        time.sleep(1)  # the node is not ready to be joined yet
 
 
 @pytest.fixture(scope="module")
@@ -97,15 +115,11 @@ def cluster():
     nodes = [start(head, logs[0])]
     address = f"127.0.0.1:{port}"
     try:
-        while _alive_nodes(address) < 1:
-            assert nodes[0].poll() is None, failed(0)
-            time.sleep(1)
+        _wait_for_nodes(address, 1, nodes[0], lambda: failed(0))
         second = [RAY, "start", f"--address={address}", '--resources={"second_node": 1}',
                   *common, *own_ports()]  # fmt: skip
         nodes.append(start(second, logs[1]))
-        while _alive_nodes(address) < 2:
-            assert nodes[1].poll() is None, failed(1)
-            time.sleep(1)
+        _wait_for_nodes(address, 2, nodes[1], lambda: failed(1))
         yield address
     finally:
         for node in reversed(nodes):
