@@ -113,7 +113,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def _settle_heap() -> None:
-    """What is built by now (torch, transformers, every test module: about a million objects)
+    """What is built by now (torch, transformers, every test module: about 560,000 objects)
     lives as long as the test process; frozen out of the garbage collector's view, the full
     passes that the tests' own garbage triggers walk only that garbage (`mmrl.heap`)."""
     freeze_heap()
