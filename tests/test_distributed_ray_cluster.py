@@ -60,7 +60,9 @@ def _wait_for_nodes(address: str, n: int, node: subprocess.Popen, failed) -> Non
     """Until `n` nodes of the cluster at `address` are alive, while `node` (the `ray start`
     process) runs (`failed()`: the message if it ends). One probe process joins the cluster and
     watches `ray.nodes()`; it is started again only if it could not join yet (each start imports
-    Ray: a process per poll cost a CPU-second each)."""
+    Ray: a process per poll cost a CPU-second each). Two minutes at most: a node that runs but
+    never joins fails the fixture instead of hanging the suite."""
+    deadline = time.monotonic() + 120
     probe = (
         "import ray, time\nray.init(address=%r, logging_level='ERROR')\n"
         "while sum(x['Alive'] for x in ray.nodes()) < %d:\n    time.sleep(0.2)"
@@ -71,6 +73,7 @@ def _wait_for_nodes(address: str, n: int, node: subprocess.Popen, failed) -> Non
         try:
             while watcher.poll() is None:
                 assert node.poll() is None, failed()
+                assert time.monotonic() < deadline, f"{n} node(s) not alive after 2 minutes: {failed()}"
                 time.sleep(0.2)
         finally:
             if watcher.poll() is None:
@@ -79,6 +82,7 @@ def _wait_for_nodes(address: str, n: int, node: subprocess.Popen, failed) -> Non
         if watcher.returncode == 0:
             return
         assert node.poll() is None, failed()
+        assert time.monotonic() < deadline, f"{n} node(s) not alive after 2 minutes: {failed()}"
         time.sleep(1)  # the node is not ready to be joined yet
 
 

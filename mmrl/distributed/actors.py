@@ -2,9 +2,10 @@
 
 A light module of their own: Ray starts an actor by importing its class's module, and the
 actor then imports torch, transformers and the trainer in its constructor with the garbage
-collector paused (`mmrl.heap.imports_without_gc`), which takes 0.8 CPU-seconds off every actor's
-start (`benchmarks/startup_gc.py` measures the same pause in `mmrl train`). Plain classes:
-`ray.remote` is applied when they are started (`RayCluster.start`).
+collector paused (`mmrl.heap.imports_without_gc`), as `mmrl train` does: for those imports,
+`benchmarks/startup_gc.py` measured 0.8 of 3.5 CPU-seconds spent in the collector without the
+pause (the actors' own start was not timed apart). Plain classes: `ray.remote` is applied when
+they are started (`RayCluster.start`).
 """
 
 from __future__ import annotations

@@ -77,9 +77,6 @@ READY_TIMEOUT_S = 300.0
 """How long the placement group and the actors' start may take before the run stops."""
 
 
-_ray = ray_module
-
-
 def _light(sample: Sample) -> Sample:
     """Verifiers never need the pixels: send samples to the reward worker without them."""
     return dataclasses.replace(sample, images=[])
@@ -519,7 +516,7 @@ class RayCluster:
     """The placement group and every actor of a run; `shutdown` removes them all."""
 
     def __init__(self, cfg: Config):
-        ray = self.ray = _ray()
+        ray = self.ray = ray_module()
         self.started_ray = False
         if not ray.is_initialized():
             ray.init(address=cfg.trainer.ray_address, include_dashboard=False, logging_level=logging.WARNING)

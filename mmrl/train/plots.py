@@ -89,9 +89,9 @@ def training_curves_figure(records: list[dict]):
 
 
 def fixed_margins(fig, rows: int, cols: int) -> None:
-    """Margins and gaps for 4 x 3.2-inch panels with a title, an x label and short tick labels:
-    what `tight_layout` chooses for them, without it measuring every text (a quarter of a CPU-
-    second per figure, most of a run's plot; measured)."""
+    """Fixed margins and gaps for 4 x 3.2-inch panels with a title, an x label and short tick
+    labels (checked by eye on a run's curves), instead of `tight_layout`, which measures every
+    text: a run's plot took 0.19 CPU-seconds instead of 0.29 (measured, matplotlib imported)."""
     width, height = 4.0 * cols, 3.2 * rows
     fig.subplots_adjust(left=0.55 / width, right=1 - 0.15 / width, bottom=0.5 / height,
                         top=1 - 0.3 / height, wspace=0.3, hspace=0.45)  # fmt: skip
