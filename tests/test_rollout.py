@@ -92,3 +92,51 @@ def test_a_checkpoints_own_sampling_defaults_do_not_leak_into_rollouts(tiny_poli
     with torch.no_grad():
         recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
     torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)
+
+
+def test_the_first_mini_batchs_old_logprobs_come_from_the_updates_own_forward(tiny_policy):
+    """When nothing reads the old log-probs before the update (`old_from_update`), their pass
+    skips the first mini-batch (NaN there, so a read too early is loud) and the update fills
+    those rows from its own first forward: the same old log-probs and the same weights after the
+    update as with a pass of their own, also when a micro-batch's loss is non-finite (the rows
+    after it are filled without a gradient, before the weights move)."""
+    import copy
+
+    from mmrl.train.update import old_from_update, update_policy
+
+    base = ["trainer.prompts_per_step=4", "rollout.group_size=4", "trainer.mini_batches=2"]
+    cfg = load_config("vision_reasoning", overrides=base)
+    assert old_from_update(cfg)
+    for reads_them_first in (
+        ["algo.tis=token"],
+        ["algo.rejection=sequence"],
+        ["algo.kl_in_reward=true", "algo.kl_coef=0.01"],
+        ["algo.old_logprobs=rollout"],
+    ):
+        assert not old_from_update(load_config("vision_reasoning", overrides=[*base, *reads_them_first]))
+    batch = HFRolloutEngine.from_policy(tiny_policy).generate(
+        _mixed_samples(4), SamplingParams(n=4, max_new_tokens=8)
+    )
+    for micro, advantages in (
+        (8, torch.linspace(-1.0, 1.0, 16)),
+        # two micro-batches per mini-batch; the first one's loss is NaN: its step is skipped
+        (4, torch.cat([torch.full((4,), float("nan")), torch.linspace(-1.0, 1.0, 12)])),
+    ):
+        run_cfg = load_config("vision_reasoning", overrides=[*base, f"trainer.micro_batch_rows={micro}"])
+        separate, left = tiny_policy, copy.deepcopy(tiny_policy)
+        full, _ = old_and_ref_logprobs(run_cfg, separate, None, batch)
+        part, _ = old_and_ref_logprobs(run_cfg, left, None, batch, first_from_update=True)
+        assert torch.isnan(part[:8]).all() and torch.equal(part[8:], full[8:])
+        results = []
+        for policy, old, flag in ((separate, full, False), (left, part, True)):
+            optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2)
+            results.append(
+                update_policy(
+                    run_cfg, policy, optimizer, batch, advantages, old, None, old_from_first_pass=flag
+                )
+            )
+        assert torch.equal(part, full)
+        assert results[0]["actor/skipped_steps"] == results[1]["actor/skipped_steps"] == (micro == 4)
+        assert results[0]["actor/ppo_kl"] == results[1]["actor/ppo_kl"]
+        for a, b in zip(separate.model.parameters(), left.model.parameters()):
+            assert torch.equal(a, b)

@@ -81,7 +81,7 @@ from mmrl.train.schedule import schedule_factor
 from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
-from mmrl.train.update import old_and_ref_logprobs, update_policy
+from mmrl.train.update import old_and_ref_logprobs, old_from_update, update_policy
 from mmrl.types import RolloutBatch, VerifyContext
 from mmrl.verifiers.limits import is_refusal
 
@@ -146,7 +146,7 @@ class Trainee:
         self, cfg: Config, batch: RolloutBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [N, R] of the sampling policy ("old") and of the reference (step c)."""
-        return old_and_ref_logprobs(cfg, self.policy, self.reference, batch)
+        return old_and_ref_logprobs(cfg, self.policy, self.reference, batch, old_from_update(cfg))
 
     def update_policy(
         self,
@@ -163,7 +163,7 @@ class Trainee:
         `updates_while_scoring`)."""
         return update_policy(
             cfg, self.policy, self.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights,
-            before_minibatch, reference=self.reference,
+            before_minibatch, reference=self.reference, old_from_first_pass=old_from_update(cfg),
         )  # fmt: skip
 
     updates_while_scoring = True

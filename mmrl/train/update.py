@@ -48,29 +48,55 @@ def row_chunks(cfg: Config, n_rows: int) -> list[list[int]]:
     return chunks
 
 
+def old_from_update(cfg: Config) -> bool:
+    """Whether the first mini-batch's old log-probs are left to the update (`update_policy`'s
+    `old_from_first_pass`) instead of a pass of their own: they are recomputed by the trainer
+    (`algo.old_logprobs=recompute`) and nothing reads them before the update (no truncated IS,
+    no rollout rejection, no KL in the reward). The update's first mini-batch runs on the
+    weights that sampled, in the same chunks, so its own forward gives these log-probs exactly
+    (a ratio of 1, as TRL's on-policy GRPO takes it); the separate pass then covers the later
+    mini-batches only (half of it with 2 mini-batches, none with 1)."""
+    a = cfg.algo
+    return a.old_logprobs == "recompute" and a.tis == "off" and a.rejection == "off" and not a.kl_in_reward
+
+
 @torch.no_grad()
 def old_and_ref_logprobs(
-    cfg: Config, policy: Policy, reference: torch.nn.Module | str | None, batch: RolloutBatch
+    cfg: Config,
+    policy: Policy,
+    reference: torch.nn.Module | str | None,
+    batch: RolloutBatch,
+    first_from_update: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [N, R] of the sampling policy ("old") and of the reference.
 
     Computed in the same chunks as the first pass of the update, so the first on-policy
     mini-batch sees a ratio of exactly 1. `reference` is a frozen copy, the string
-    "adapters_disabled" (the LoRA base model), or None.
+    "adapters_disabled" (the LoRA base model), or None. With `first_from_update`
+    (`old_from_update`), the old log-probs of the first mini-batch's rows are NaN here, left for
+    `update_policy(old_from_first_pass=True)` to fill from its own first forward.
     """
     T = cfg.rollout.temperature
     chunk = logits_chunk(cfg, policy)
     old = batch.rollout_logprobs if cfg.algo.old_logprobs == "rollout" else None
     if old is not None and reference is None:
         return old, None
-    chunks = [select_rows(batch, rows) for rows in row_chunks(cfg, len(batch))]
+    row_sets = row_chunks(cfg, len(batch))
+    chunks = [select_rows(batch, rows) for rows in row_sets]
+    first = len(batch) // cfg.trainer.mini_batches if first_from_update else 0
 
-    def logprobs_of(model: torch.nn.Module) -> torch.Tensor:
-        return torch.cat([response_logprobs(model, sub, policy.blocked, T, chunk=chunk)[0] for sub in chunks])
+    def logprobs_of(model: torch.nn.Module, skip_first: bool = False) -> torch.Tensor:
+        width = batch.response_mask.shape[1]
+        return torch.cat([
+            batch.response_mask.new_full((len(rows), width), math.nan, dtype=torch.float32)
+            if skip_first and rows[-1] < first
+            else response_logprobs(model, sub, policy.blocked, T, chunk=chunk)[0]
+            for rows, sub in zip(row_sets, chunks)
+        ])  # fmt: skip
 
     with policy.autocast():
         if old is None:
-            old = logprobs_of(policy.model)
+            old = logprobs_of(policy.model, skip_first=first > 0)
         if reference is None:
             return old, None
         if reference == "adapters_disabled":
@@ -163,6 +189,7 @@ def update_policy(
     tis_weights: torch.Tensor | None = None,
     before_minibatch: Callable[[list[int]], None] | None = None,
     reference: torch.nn.Module | str | None = None,
+    old_from_first_pass: bool = False,
 ) -> dict[str, float]:
     """`ppo_epochs` passes of `mini_batches` optimizer steps over the rollout batch.
 
@@ -174,6 +201,9 @@ def update_policy(
     those rows in place (the trainer does, as their rewards arrive). The mini-batch's first
     forward runs before the call, so it overlaps the wait. `optimizer`: a torch optimizer, or the
     `OptimizerSteps` of one that runs its own backward and step (DeepSpeed).
+    `old_from_first_pass` (`old_from_update`): the first mini-batch's rows of `old_logprobs`
+    are not computed yet; each micro-batch's first forward, on the weights that sampled, fills
+    them in place (masked like the batch) before its loss reads them.
     """
     model, a = policy.model, cfg.algo
     policy_loss = get_policy_loss(a.policy_loss)
@@ -251,6 +281,8 @@ def update_policy(
                         )
                     else:
                         logprobs, entropy, token_kl = forward(sub)
+                    if old_from_first_pass and epoch == 0 and start == 0:
+                        old_logprobs[rows] = logprobs.detach().masked_fill(mask == 0, 0.0)
                     weights = None if tis_weights is None else tis_weights[rows]
                     if a.forking_frac > 0:  # only the top-entropy tokens train (the normaliser stays)
                         fork = forking_token_mask(entropy, mask, a.forking_frac, a.forking_scope)
@@ -327,6 +359,16 @@ def update_policy(
                 if not finite:
                     steps.discard(loss)
                     skipped += 1
+                    if old_from_first_pass and epoch == 0 and start == 0:
+                        # the rows after the non-finite micro-batch still need their old
+                        # log-probs (the mismatch metrics read them): the weights have not moved
+                        rest = mb_rows[i + micro :]
+                        with torch.no_grad():
+                            for j in range(0, len(rest), micro):
+                                sub = select_rows(batch, rest[j : j + micro])
+                                old_logprobs[rest[j : j + micro]] = forward(sub)[0].masked_fill(
+                                    sub.response_mask == 0, 0.0
+                                )
                     continue
                 grad_norm = steps.step()
                 if not math.isfinite(grad_norm):
