@@ -518,6 +518,11 @@ class TrainerConfig:
     """Rows per forward/backward (gradient accumulation); 0: a whole mini-batch at once."""
     eval_every: int = 25
     """Steps between greedy held-out evaluations (also at step 0 and at the end)."""
+    eval_at_start: bool = True
+    """Evaluate the starting policy (step 0) before the first step, as veRL's
+    `trainer.val_before_train`. Off: training starts at once and the run's start accuracy is
+    unknown (NaN, and the last line says so): for several runs from one starting point whose
+    evaluation is known already."""
     eval_size: int = 512
     """Held-out samples per evaluation (0: all)."""
     seed: int = 0

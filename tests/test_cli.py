@@ -52,6 +52,24 @@ def base_path(mmrl_cache) -> str:
 
 
 @pytest.mark.trains
+def test_a_run_without_the_start_evaluation_trains_at_once_and_says_so(base_path, tmp_path):
+    """`trainer.eval_at_start=false`: no step-0 evaluation; the start accuracy is NaN (never a
+    made-up figure), the best is the evaluations that ran, and the last line says why."""
+    import math
+
+    from mmrl.train.grpo import train
+
+    overrides = [*SHORT, "trainer.eval_every=2", "trainer.eval_at_start=false", "trainer.save_final=false"]
+    result = train(load_config("vision_reasoning", overrides=[*overrides, f"trainer.run_dir={tmp_path}"]))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [2]
+    assert [r["step"] for r in records if "reward/mean" in r] == [1, 2]
+    assert math.isnan(result.start_accuracy) and result.best_accuracy == result.final_accuracy >= 0
+    line = result.summary_line()
+    assert "the start was not evaluated: trainer.eval_at_start=false" in line and "nan" not in line
+
+
+@pytest.mark.trains
 def test_short_run_writes_a_complete_run_directory(base_path, tmp_path):
     run_dir = tmp_path / "run"
     out = mmrl("train", "--task", "vision_reasoning", f"trainer.run_dir={run_dir}", *SHORT)

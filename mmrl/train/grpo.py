@@ -113,6 +113,12 @@ class TrainResult:
         def figure(acc: float, interval: tuple[float, float]) -> str:
             return f"{acc:.3f} [{interval[0]:.3f}-{interval[1]:.3f}]"
 
+        if math.isnan(self.start_accuracy):  # trainer.eval_at_start=false
+            return (
+                f"done in {self.seconds:.0f}s: greedy held-out accuracy {figure(self.final_accuracy, self.final_interval)}"
+                f" ({self.eval_size} prompts, 95% interval; the start was not evaluated: trainer.eval_at_start=false);"
+                f" run directory {self.run_dir}"
+            )
         gain = 100 * (self.final_accuracy - self.start_accuracy)
         return (
             f"done in {self.seconds:.0f}s: greedy held-out accuracy {figure(self.start_accuracy, self.start_interval)}"
@@ -308,7 +314,7 @@ def _train_holding(
     with metrics_log:  # every sink closed on the way out; the trackers told "failed" on an error
         try:
             with stop.installed():
-                if not resumed:
+                if not resumed and cfg.trainer.eval_at_start:
                     progress.start_acc = progress.best_acc = progress.final_acc = run_eval(0)
                 first = progress.step + 1
                 bar = tqdm(
@@ -323,7 +329,7 @@ def _train_holding(
                     if step % cfg.trainer.eval_every == 0 or step == total:
                         with contextlib.suppress(EvaluationInterrupted):  # stop.requested: checkpoint below
                             progress.final_acc = run_eval(step)
-                            progress.best_acc = max(progress.best_acc, progress.final_acc)
+                            progress.best_acc = max(progress.best_acc, progress.final_acc, key=_nan_last)
                     every = cfg.trainer.checkpoint_every
                     if (every and step % every == 0) or step == total or stop.requested:
                         write_checkpoint(cfg, t, sampler, progress, run_dir)
@@ -364,6 +370,11 @@ def _train_holding(
     with storage_errors("write the summary to", run_dir / "summary.json"):
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return result
+
+
+def _nan_last(x: float) -> float:
+    """Sort key under which NaN (not evaluated) is below every accuracy."""
+    return -math.inf if math.isnan(x) else x
 
 
 @dataclass
