@@ -184,17 +184,23 @@ def _worst(state: dict, single: dict) -> float:
     return max(float((state[k].float() - single[k]).abs().max()) for k in single)
 
 
-def _skips_then_updates(cfg, t, step_files, caplog, atol: float) -> None:
+def _skips_then_updates(cfg, t, step_files, caplog, atol: float, left_to_update: bool = False) -> None:
     """On trainee `t`: a NaN advantage in each mini-batch (a non-finite loss), then a NaN gradient
     of one parameter: every step is skipped and no weight moves. The next update is then the
-    first one (a skipped step leaves the optimizer as it was): the plain trainer's, within `atol`."""
+    first one (a skipped step leaves the optimizer as it was): the plain trainer's, within `atol`.
+    `left_to_update`: `t` leaves the first mini-batch's old log-probs (NaN) to the update's first
+    forward (`mmrl.train.update.old_from_update`), which fills them even when its loss is NaN."""
     batch, advantages = step_files["batch"], step_files["advantages"]
     old, ref = t.old_and_ref_logprobs(cfg, batch)
-    torch.testing.assert_close(old, step_files["old"], atol=1e-6, rtol=0)
+    first = len(batch) // cfg.trainer.mini_batches
+    left = torch.isnan(old).all(dim=1)
+    assert left.tolist() == [left_to_update] * first + [False] * (len(batch) - first)
+    torch.testing.assert_close(old[~left], step_files["old"][~left], atol=1e-6, rtol=0)
     bad = advantages.clone()
     bad[[0, 8]] = float("nan")
     with caplog.at_level(logging.WARNING, logger="mmrl.train.update"):
         assert t.update_policy(cfg, batch, bad, old, ref, None)["actor/skipped_steps"] == 2
+        torch.testing.assert_close(old, step_files["old"], atol=1e-6, rtol=0)
         param = next(p for p in t.policy.model.parameters() if p.requires_grad)
         handle = param.register_hook(lambda grad: torch.full_like(grad, float("nan")))
         try:
@@ -216,7 +222,7 @@ def test_the_plain_trainer_skips_a_nan_loss_and_a_nan_gradient_without_touching_
     cfg = load_config("vision_reasoning", overrides=OVERRIDES)
     t = make_trainee(cfg, load_policy(step_files["dir"]))
     try:
-        _skips_then_updates(cfg, t, step_files, caplog, atol=0.0)  # the same arithmetic: exact
+        _skips_then_updates(cfg, t, step_files, caplog, atol=0.0, left_to_update=True)  # exact
     finally:
         t.close()
 
