@@ -52,10 +52,11 @@ def old_from_update(cfg: Config) -> bool:
     """Whether the first mini-batch's old log-probs are left to the update (`update_policy`'s
     `old_from_first_pass`) instead of a pass of their own: they are recomputed by the trainer
     (`algo.old_logprobs=recompute`) and nothing reads them before the update (no truncated IS,
-    no rollout rejection, no KL in the reward). The update's first mini-batch runs on the
-    weights that sampled, in the same chunks, so its own forward gives these log-probs exactly
-    (a ratio of 1, as TRL's on-policy GRPO takes it); the separate pass then covers the later
-    mini-batches only (half of it with 2 mini-batches, none with 1)."""
+    no rollout rejection, no KL in the reward). The update's first mini-batch runs before any
+    optimizer step of this update, on the weights the pass would read, in the same chunks, so
+    its own forward gives these log-probs exactly (a ratio of 1, as TRL's on-policy GRPO takes
+    it); the separate pass then covers the later mini-batches only (half of it with 2
+    mini-batches, none with 1)."""
     a = cfg.algo
     return a.old_logprobs == "recompute" and a.tis == "off" and a.rejection == "off" and not a.kl_in_reward
 
@@ -202,8 +203,8 @@ def update_policy(
     forward runs before the call, so it overlaps the wait. `optimizer`: a torch optimizer, or the
     `OptimizerSteps` of one that runs its own backward and step (DeepSpeed).
     `old_from_first_pass` (`old_from_update`): the first mini-batch's rows of `old_logprobs`
-    are not computed yet; each micro-batch's first forward, on the weights that sampled, fills
-    them in place (masked like the batch) before its loss reads them.
+    are not computed yet; each of its micro-batches' forward, before the update's first
+    optimizer step, fills them in place (masked like the batch) before its loss reads them.
     """
     model, a = policy.model, cfg.algo
     policy_loss = get_policy_loss(a.policy_loss)
