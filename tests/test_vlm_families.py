@@ -235,7 +235,7 @@ def test_lora_adapts_the_language_model_of_every_family_and_freezing_finds_its_p
 # accuracy on 512 prompts at the ends) on a LLaVA 1.5 built-in base: a non-Qwen family learns the
 # built-in task through the same loop. Its base is warmed up once per cache (a second base beside
 # the Qwen one), for the 270 steps after which the default warm-up stops on this task (validating
-# every 10 steps on 256 prompts, 27 validations and 23 of its 55 CPU-seconds). Here it validates
+# every 10 steps on 256 prompts: 27 validations of 0.86 CPU-seconds each). Here it validates
 # once, at its end: the same weights, bit for bit (measured December 5, 2026), since a greedy
 # validation draws from no generator the warm-up uses. The Qwen base shows the stop itself.
 LLAVA_RECIPE = [
