@@ -220,3 +220,27 @@ def test_with_deepspeed_imported_accelerate_is_asked_as_before(monkeypatch):
     stub.__spec__ = importlib.util.find_spec("deepspeed") or importlib.machinery.ModuleSpec("deepspeed", None)
     monkeypatch.setitem(sys.modules, "deepspeed", stub)
     assert other.is_deepspeed_available() is installed
+
+
+def test_the_base_warm_up_validations_change_nothing_it_learns(tmp_path):
+    """Validating the base every 2 steps or only at its end gives the same weights, bit for bit
+    (greedy validations draw from no generator the warm-up uses): what lets the LLaVA and
+    detection learning tests pin their bases' warm-ups to the step their default ones stop at and
+    validate once (tests/test_vlm_families.py, tests/test_detection_training.py)."""
+    from mmrl.config import load_config
+    from mmrl.models.base import warm_up
+
+    states = []
+    for every in (2, 6):
+        cfg = load_config(
+            "vision_reasoning",
+            overrides=[
+                "model.warmup.max_steps=6", f"model.warmup.eval_every={every}", "model.warmup.eval_size=8",
+                "model.warmup.target_accuracy=1.1", "model.warmup.batch_size=8", "trainer.progress=false",
+                "reward.num_workers=0",
+            ],
+        )  # fmt: skip
+        policy, report = warm_up(cfg)
+        assert [h["step"] for h in report["history"]] == list(range(every, 7, every))
+        states.append(policy.model.state_dict())
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])

@@ -83,17 +83,20 @@ def old_and_ref_logprobs(
     if old is not None and reference is None:
         return old, None
     row_sets = row_chunks(cfg, len(batch))
-    chunks = [select_rows(batch, rows) for rows in row_sets]
+    chunks: dict[int, RolloutBatch] = {}  # selected once, when a pass first needs them
     first = len(batch) // cfg.trainer.mini_batches if first_from_update else 0
 
     def logprobs_of(model: torch.nn.Module, skip_first: bool = False) -> torch.Tensor:
-        width = batch.response_mask.shape[1]
-        return torch.cat([
-            batch.response_mask.new_full((len(rows), width), math.nan, dtype=torch.float32)
-            if skip_first and rows[-1] < first
-            else response_logprobs(model, sub, policy.blocked, T, chunk=chunk)[0]
-            for rows, sub in zip(row_sets, chunks)
-        ])  # fmt: skip
+        parts = []
+        for i, rows in enumerate(row_sets):
+            if skip_first and rows[-1] < first:
+                parts.append(torch.full((len(rows), batch.response_mask.shape[1]), math.nan,
+                                        dtype=torch.float32, device=batch.response_mask.device))  # fmt: skip
+                continue
+            if i not in chunks:
+                chunks[i] = select_rows(batch, rows)
+            parts.append(response_logprobs(model, chunks[i], policy.blocked, T, chunk=chunk)[0])
+        return torch.cat(parts)
 
     with policy.autocast():
         if old is None:
