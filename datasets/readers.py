@@ -133,6 +133,7 @@ def write_parquet(samples: list[Sample], path: str | Path) -> None:
             rm["ground_truth"] = json.dumps(rm["ground_truth"])
         rm["verifier_params"] = json.dumps(rm["verifier_params"])
         record["extra_info"] = json.dumps(record["extra_info"])
+        record["agent"] = json.dumps(record["agent"]) if "agent" in record else None
         rows.append(record)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

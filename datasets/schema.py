@@ -17,7 +17,7 @@ from typing import Any
 
 from PIL import Image
 
-from mmrl.types import IMAGE_PLACEHOLDER, ImageError, ImageSource, RewardSpec, Sample, load_image
+from mmrl.types import IMAGE_PLACEHOLDER, AgentSpec, ImageError, ImageSource, RewardSpec, Sample, load_image
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/=\s]+")
 
@@ -117,6 +117,7 @@ def sample_from_record(
     ability = record.get("ability") or ""
     if not isinstance(ability, str):
         raise fail("ability", f"must be a string, got {type(ability).__name__}")
+    agent = _check_agent(record.get("agent"), fail)
     sample = Sample(
         data_source=data_source,
         prompt=prompt,
@@ -124,6 +125,7 @@ def sample_from_record(
         ability=ability,
         reward_model=reward,
         extra_info=dict(extra),
+        agent=agent,
     )
 
     from mmrl.verifiers.registry import get_verifier, verifier_names
@@ -224,6 +226,38 @@ def _b64(text: str, field: str, fail) -> bytes:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise fail(field, "neither an existing path nor valid base64") from None
+
+
+def _check_agent(agent: Any, fail) -> AgentSpec | None:
+    """The record's `agent` field: the tools the sample may call and its trajectory limits."""
+    if agent is None:
+        return None
+    if isinstance(agent, str):  # Parquet columns may hold it as JSON text
+        try:
+            agent = json.loads(agent)
+        except ValueError as exc:
+            raise fail("agent", f"not valid JSON: {exc}") from None
+    if not isinstance(agent, dict):
+        raise fail("agent", f"must be an object, got {type(agent).__name__}")
+    unknown = sorted(set(agent) - {"tools", "max_turns", "max_tokens", "max_images"})
+    if unknown:
+        raise fail(f"agent.{unknown[0]}", "unknown field (known: tools, max_turns, max_tokens, max_images)")
+    tools = agent.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+        raise fail("agent.tools", f"must be a list of tool names, got {tools!r}")
+    from mmrl.environments import tool_names
+
+    known = tool_names()
+    for i, name in enumerate(tools):
+        if name not in known:
+            raise fail(f"agent.tools[{i}]", f"unknown tool {name!r} (known: {', '.join(known)})")
+    limits = {}
+    for name, low in (("max_turns", 1), ("max_tokens", 1), ("max_images", 0)):
+        value = agent.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise fail(f"agent.{name}", f"must be an integer >= {low}, got {value!r}")
+        limits[name] = value
+    return AgentSpec(tools=list(tools), **limits)
 
 
 def _check_reward(reward: Any, fail) -> RewardSpec:

@@ -187,6 +187,45 @@ class RolloutConfig:
     """HF engine with LoRA: `merged` (the adapters merged into the weights for the rollout, the
     weights restored exactly after it), `unmerged`, or `auto` (merged on CUDA). The trainer
     scores unmerged; the merge's rounding shows in the `rollout/` mismatch metrics."""
+    tokenization_check: bool = False
+    """Multi-turn: re-apply the chat template to each final conversation and report how far its
+    tokens drift from the ids the model saw (`agent/tokenization_drift`); never changes training."""
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn tool use (`mmrl.rollout.multiturn`): the defaults for samples that name tools
+    (their record's `agent` field may set `max_turns`, `max_tokens` and `max_images` itself),
+    and how tool rewards combine with the verifier's. Samples without tools are single-turn."""
+
+    max_turns: int = 4
+    """Most model turns per trajectory; a tool call in the last turn is not run (`max_turns`)."""
+    max_tokens: int = 512
+    """Most response tokens per trajectory, the model's and the observations' together; an
+    observation that would not leave room for one more model token ends it (`token_budget`)."""
+    max_images: int = 4
+    """Most observation images per trajectory, checked before one is appended (`image_budget`)."""
+    call_format: str = "hermes"
+    """How the model writes tool calls (`mmrl.environments.parse_tool_calls`): `hermes`
+    (Qwen's `<tool_call>{"name": ..., "arguments": ...}</tool_call>`)."""
+    tool_timeout_s: float = 10.0
+    """Per-call tool time limit; a call past it gets a `timeout` error observation."""
+    max_tool_text_chars: int = 2000
+    """Longer tool text is cut to this (noted in the observation, counted as `text_too_long`)."""
+    max_calls_per_turn: int = 4
+    """Tool calls run per model turn; further ones get a `too_many_calls` error observation."""
+    over_limit: str = "score"
+    """Trajectories that end on a limit (`max_turns`, `token_budget`, `image_budget`, or a turn
+    cut at `rollout.max_new_tokens`): `score` them as they are, or `mask` them out of the loss
+    (Mini-o3's over-turn masking; their rewards stay in their groups' statistics)."""
+    reward: str = "weighted"
+    """How tool rewards join the verifier's score: `weighted` (score + `tool_reward_weight` x
+    the tools' own rewards) or `deepeyes` (DeepEyes: + `tool_bonus` only when the answer is
+    correct, accuracy > 0, and the trajectory called a tool without error)."""
+    tool_reward_weight: float = 0.0
+    """Weight of the tools' own rewards (veRL `calc_reward`) in the score."""
+    tool_bonus: float = 1.0
+    """DeepEyes' tool bonus (`reward=deepeyes`)."""
 
 
 @dataclass
@@ -630,6 +669,23 @@ class TrainerConfig:
     merged in; `auto`: adapters for the HF engine, merged for vLLM (which loads whole weights)."""
 
 
+def agent_checks(a: AgentConfig) -> list[tuple[bool, str]]:
+    """Range and choice rules of `agent.*`."""
+    return [
+        (a.max_turns >= 1, f"agent.max_turns must be >= 1, got {a.max_turns}"),
+        (a.max_tokens >= 1, f"agent.max_tokens must be >= 1, got {a.max_tokens}"),
+        (a.max_images >= 0, f"agent.max_images must be >= 0, got {a.max_images}"),
+        (a.tool_timeout_s > 0, f"agent.tool_timeout_s must be > 0, got {a.tool_timeout_s}"),
+        (a.max_tool_text_chars >= 1, f"agent.max_tool_text_chars must be >= 1, got {a.max_tool_text_chars}"),
+        (a.max_calls_per_turn >= 1, f"agent.max_calls_per_turn must be >= 1, got {a.max_calls_per_turn}"),
+        (a.over_limit in ("score", "mask"), f"agent.over_limit must be score or mask, got {a.over_limit!r}"),
+        (
+            a.reward in ("weighted", "deepeyes"),
+            f"agent.reward must be weighted or deepeyes, got {a.reward!r}",
+        ),
+    ]
+
+
 @dataclass
 class Config:
     """Everything a training run needs."""
@@ -640,6 +696,8 @@ class Config:
     """Training and held-out samples."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Sampling of responses."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn tool use, for samples that name tools."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Scoring of responses by verifiers."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -678,6 +736,7 @@ class Config:
             (t.log_generations >= 0, f"trainer.log_generations must be >= 0, got {t.log_generations}"),
             *logger_checks(t),
             (r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}"),
+            *agent_checks(self.agent),
             (r.max_batch_rows >= 1, f"rollout.max_batch_rows must be >= 1, got {r.max_batch_rows}"),
             (d.num_train >= 0 and d.num_heldout >= 0, "data.num_train and data.num_heldout must be >= 0"),
             (d.image_size >= 1, f"data.image_size must be >= 1, got {d.image_size}"),

@@ -48,6 +48,29 @@ class RewardSpec:
 
 
 @dataclass
+class AgentSpec:
+    """A sample's tools and the limits of its multi-turn trajectory: the record's `agent` field,
+    beside `reward_model` (V-Triune style: samples with and without tools mix in one batch).
+    A limit left None takes the run's default (`agent.*` in the config)."""
+
+    tools: list[str] = field(default_factory=list)
+    """Names of registered tools (`mmrl.environments.tool_names()`) the model may call."""
+    max_turns: int | None = None
+    """Most model turns in the trajectory (a tool call in the last one is not run)."""
+    max_tokens: int | None = None
+    """Most response tokens, the model's and the observations' together."""
+    max_images: int | None = None
+    """Most observation images added to the trajectory (the prompt's are not counted)."""
+
+    def to_record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tools": list(self.tools)}
+        for name in ("max_turns", "max_tokens", "max_images"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+@dataclass
 class Sample:
     """One training or evaluation prompt with everything needed to score a response to it."""
 
@@ -63,6 +86,8 @@ class Sample:
     """How responses are scored."""
     extra_info: dict[str, Any]
     """Free-form metadata; must hold a unique `id`."""
+    agent: AgentSpec | None = None
+    """Tools and limits for a multi-turn trajectory; None: one turn, no tools."""
 
     @property
     def id(self) -> str:
@@ -114,6 +139,7 @@ class Sample:
                 **({"models": rm.models} if rm.models else {}),
             },
             "extra_info": self.extra_info,
+            **({"agent": self.agent.to_record()} if self.agent is not None else {}),
         }
 
 
@@ -283,6 +309,20 @@ class RolloutBatch:
     """G, responses per prompt."""
     vision_layout: VisionLayout = field(default_factory=VisionLayout)
     """How `vision_inputs` map to rows (to select and join rows)."""
+    observation_mask: torch.Tensor | None = None
+    """[N, R] 1 on observation tokens (tool responses) inside a multi-turn response: the model
+    saw them (they are attended to) but did not generate them, so they enter no loss, KL,
+    entropy, length or importance-weight term. None: single-turn, every response token is the
+    model's. The forward attends to `response_mask | observation_mask` (`response_attention`)."""
+    trajectories: list[Trajectory] | None = None
+    """Per row, what the multi-turn loop recorded (turns, tool calls, termination); None for
+    single-turn batches."""
+
+    def response_attention(self) -> torch.Tensor:
+        """[N, R] the response positions the model attends to: its own tokens and observations."""
+        if self.observation_mask is None:
+            return self.response_mask
+        return self.response_mask | self.observation_mask
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -306,5 +346,34 @@ class RolloutBatch:
                 "truncated",
             )
         }
+        if self.observation_mask is not None:
+            move["observation_mask"] = self.observation_mask.to(device)
         vision = {k: v.to(device) for k, v in self.vision_inputs.items()}
         return dataclasses.replace(self, **move, vision_inputs=vision)
+
+
+@dataclass
+class Trajectory:
+    """What the multi-turn loop records of one response besides its tokens (`RolloutBatch`
+    holds the ids, masks and log-probs)."""
+
+    turns: int = 1
+    """Model turns generated."""
+    tool_calls: int = 0
+    """Tool calls parsed and run (malformed ones included: they get error observations)."""
+    tool_errors: dict[str, int] = field(default_factory=dict)
+    """Error observations by kind (`bad_json`, `unknown_tool`, `timeout`, ...)."""
+    observation_tokens: int = 0
+    """Tokens of observations appended to the response."""
+    images: list[Any] = field(default_factory=list)
+    """Every observation image appended, in order (the prompt's are the sample's)."""
+    turn_texts: list[str] = field(default_factory=list)
+    """Each model turn's text, as decoded (special tokens dropped)."""
+    tool_reward: float = 0.0
+    """Sum of the tools' own rewards (veRL `calc_reward`)."""
+    termination: str = "answer"
+    """Why it ended: `answer` (a turn without a tool call), `length` (a turn hit the per-turn
+    token limit), `max_turns`, `token_budget`, `image_budget`."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation after the prompt, as chat messages (for the tokenization check and
+    dumps): each model turn as an assistant message, each observation as tool messages."""

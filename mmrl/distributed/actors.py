@@ -64,13 +64,17 @@ class RolloutWorker:
 
             policy.model = apply_lora(policy.model, cfg)
         self.engine = make_rollout_engine(cfg, policy)
+        self.agent = cfg.agent
 
     def generate(
         self, samples: list[Sample], params: SamplingParams
     ) -> tuple[RolloutBatch, dict[str, float]]:
         """The rollouts, and the engine's facts about them (`HFRolloutEngine.rollout_metrics`:
-        decode form, LoRA merged, decode step time) in the same reply."""
-        batch = self.engine.generate(samples, params)
+        decode form, LoRA merged, decode step time) in the same reply. Samples that name
+        tools run the multi-turn loop here, their tools on this worker."""
+        from mmrl.rollout.multiturn import generate_trajectories
+
+        batch = generate_trajectories(self.engine, samples, params, self.agent)
         facts = getattr(self.engine, "rollout_metrics", None)
         return batch, facts() if callable(facts) else {}
 

@@ -104,6 +104,10 @@ class RolloutPool:
     """The rollout engine interface over the rollout workers: the prompts of a batch are split
     into contiguous parts, one per worker; rows keep the prompt-major order ([B x G])."""
 
+    runs_trajectories = True
+    """Each worker runs the multi-turn loop itself, its tools on its own side
+    (`RolloutWorker.generate`): a batch comes back with its trajectories whole."""
+
     def __init__(self, ray, workers: list, names: list[str], pad_token_id: int):
         self.ray, self.workers, self.names, self.pad_token_id = ray, workers, names, pad_token_id
         self._facts: list[dict[str, float]] = []  # each worker's engine facts of the last `generate`

@@ -296,3 +296,17 @@ def _signature(function) -> frozenset[str]:
     import inspect
 
     return frozenset(inspect.signature(function).parameters)
+
+
+def mm_token_types(
+    input_ids: torch.Tensor, image_token_id: int | None, video_token_id: int | None
+) -> torch.Tensor:
+    """Qwen-VL's `mm_token_type_ids` for `input_ids`, as its processor makes them: 1 on image
+    tokens, 2 on video tokens, 0 elsewhere. Multi-turn sequences need them over the whole
+    sequence, images inside the response included (transformers' M-RoPE reads them)."""
+    types = torch.zeros_like(input_ids)
+    if image_token_id is not None:
+        types = types.masked_fill(input_ids == image_token_id, 1)
+    if video_token_id is not None:
+        types = types.masked_fill(input_ids == video_token_id, 2)
+    return types

@@ -33,11 +33,11 @@ from transformers.generation.streamers import BaseStreamer
 from mmrl.algos.logprobs import masked_logits, token_logprobs
 from mmrl.config import RolloutConfig
 from mmrl.models.adapters import MergedAdapters, resolve_lora_merge
-from mmrl.models.families import vision_layout
+from mmrl.models.families import mm_token_types, vision_layout
 from mmrl.models.loading import Policy
 from mmrl.models.precision import model_device
 from mmrl.rollout import decode as dec
-from mmrl.types import RolloutBatch, Sample
+from mmrl.types import RolloutBatch, Sample, Trajectory
 
 
 @dataclass
@@ -241,6 +241,30 @@ class HFRolloutEngine:
         self, rows: list[Sample], params: SamplingParams, streamer: BaseStreamer | None = None
     ) -> RolloutBatch:
         inputs = encode_prompts(self.processor, rows, self.device)
+        response, response_mask, logprobs, truncated = self._generate_inputs(inputs, params, streamer)
+        texts = self.processor.batch_decode(response, skip_special_tokens=True)
+        vision = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        images_per_row = [len(s.images) for s in rows]
+        return RolloutBatch(
+            samples=rows,
+            prompt_ids=inputs["input_ids"],
+            prompt_mask=inputs["attention_mask"],
+            response_ids=response,
+            response_mask=response_mask,
+            rollout_logprobs=logprobs,
+            vision_inputs=vision,
+            texts=texts,
+            truncated=truncated,
+            images_per_row=images_per_row,
+            vision_layout=vision_layout(self.processor, inputs, images_per_row),
+        )
+
+    def _generate_inputs(
+        self, inputs: dict[str, torch.Tensor], params: SamplingParams, streamer: BaseStreamer | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One `generate` over encoded, left-padded `inputs`: the response ids [N, R] (padding
+        after the stop token), their mask, their log-probs (0 when greedy or masked) and
+        whether each row was truncated [N]."""
         record = _RecordLogprobs(self.blocked, params.temperature)
         processors = [_BlockTokens(self.blocked)] + ([] if params.greedy else [record])
         was_training = self.model.training
@@ -269,24 +293,35 @@ class HFRolloutEngine:
             record.take(response[:, -1])  # the last sampled token
             logprobs = torch.stack(record.logprobs, dim=1).masked_fill(response_mask == 0, 0.0)
         response = response.masked_fill(response_mask == 0, self.pad_token_id)
-        texts = self.processor.batch_decode(
-            response.masked_fill(response_mask == 0, self.pad_token_id), skip_special_tokens=True
-        )
-        vision = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-        images_per_row = [len(s.images) for s in rows]
-        return RolloutBatch(
-            samples=rows,
-            prompt_ids=inputs["input_ids"],
-            prompt_mask=inputs["attention_mask"],
-            response_ids=response,
-            response_mask=response_mask,
-            rollout_logprobs=logprobs,
-            vision_inputs=vision,
-            texts=texts,
-            truncated=truncated,
-            images_per_row=images_per_row,
-            vision_layout=vision_layout(self.processor, inputs, images_per_row),
-        )
+        return response, response_mask, logprobs, truncated
+
+    @torch.no_grad()
+    def continue_rows(
+        self, ids: list[list[int]], images: list[list], params: SamplingParams
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """The next turn of multi-turn trajectories (`mmrl.rollout.multiturn`): each row's whole
+        sequence so far as token ids (token-in: prompt, model turns and observations exactly
+        as the model saw them, image tokens expanded) and every image it holds, in order; one
+        response per row. Returns per row the new token ids (stop token included), their
+        log-probs (0 when greedy), and whether the turn hit `params.max_new_tokens` without a
+        stop token. The sequence is prefilled again (no cache is kept across turns)."""
+        if self.blocked.device != self.device:
+            self.blocked = self.blocked.to(self.device)
+        out: list[tuple[list[int], list[float], bool]] = []
+        step = max(1, self.max_batch_rows)
+        merge = resolve_lora_merge(self.lora_merge, self.device) and self._merged.applies
+        with self._merged.merged() if merge else contextlib.nullcontext():
+            for start in range(0, len(ids), step):
+                inputs = token_inputs(
+                    self.processor, ids[start : start + step], images[start : start + step],
+                    self.pad_token_id, self.device,
+                )  # fmt: skip
+                with self.autocast():
+                    response, mask, logprobs, truncated = self._generate_inputs(inputs, params)
+                for r in range(response.shape[0]):
+                    keep = mask[r].bool()
+                    out.append((response[r][keep].tolist(), logprobs[r][keep].tolist(), bool(truncated[r])))
+        return out
 
     def _sample_shared(
         self, samples: list[Sample], params: SamplingParams, streamer: BaseStreamer | None = None
@@ -521,7 +556,9 @@ def encode_prompts(
     """Chat template + images through the processor, left padded; on `device` if given. Images
     go in as one list per row (processors that lay images out per row need it)."""
     texts = [
-        processor.apply_chat_template(s.chat_messages(), add_generation_prompt=True, tokenize=False)
+        processor.apply_chat_template(
+            s.chat_messages(), add_generation_prompt=True, tokenize=False, **tools_argument(s)
+        )
         for s in rows
     ]
     images = [s.pil_images() for s in rows]
@@ -529,6 +566,59 @@ def encode_prompts(
     inputs = dict(
         processor(text=texts, images=images if any(images) else None, padding=True, return_tensors="pt")
     )
+    if device is not None and device.type != "cpu":
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+    return inputs
+
+
+def tools_argument(sample: Sample) -> dict:
+    """`{"tools": schemas}` for the chat template when the sample names tools (their JSON
+    schemas, `mmrl.environments.tool_schemas`), else nothing: a template with a tool section
+    lists them in its system preamble; one without ignores them."""
+    if sample.agent is None or not sample.agent.tools:
+        return {}
+    from mmrl.environments import tool_schemas
+
+    return {"tools": tool_schemas(sample.agent.tools)}
+
+
+def image_inputs(processor: ProcessorMixin, images: list[list]) -> dict[str, torch.Tensor]:
+    """The processor's image inputs for rows that hold `images` (one list per row, in order),
+    through its image processor once per row: Qwen-VL's `pixel_values` (patches of every image,
+    concatenated over rows) and `image_grid_thw` (one row per image). Multi-turn trajectories,
+    whose images sit inside their token ids, need a family that lays images out this way."""
+    flat = [image for row in images for image in row]
+    if not flat:
+        return {}
+    outputs = [dict(processor.image_processor(images=row, return_tensors="pt")) for row in images if row]
+    if "image_grid_thw" not in outputs[0]:
+        raise ValueError(
+            f"multi-turn trajectories with images need a Qwen-VL-style processor (image_grid_thw); "
+            f"{type(processor).__name__} lays images out otherwise"
+        )
+    return {key: torch.cat([o[key] for o in outputs]) for key in ("pixel_values", "image_grid_thw")}
+
+
+def token_inputs(
+    processor: ProcessorMixin,
+    ids: list[list[int]],
+    images: list[list],
+    pad_token_id: int,
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor]:
+    """Model inputs for rows given as token ids (image tokens already expanded) and their images:
+    ids left padded, and `image_inputs` of the images."""
+    width = max(len(row) for row in ids)
+    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((len(ids), width), dtype=torch.long)
+    for r, row in enumerate(ids):
+        input_ids[r, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention[r, width - len(row) :] = 1
+    inputs = {"input_ids": input_ids, "attention_mask": attention, **image_inputs(processor, images)}
+    if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
+        inputs["mm_token_type_ids"] = mm_token_types(
+            input_ids, getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)
+        )
     if device is not None and device.type != "cpu":
         inputs = {k: v.to(device) for k, v in inputs.items()}
     return inputs
@@ -575,6 +665,21 @@ def concat_rollouts(chunks: list[RolloutBatch], pad_token_id: int) -> RolloutBat
 
     P = max(c.prompt_ids.shape[1] for c in chunks)
     R = max(c.response_ids.shape[1] for c in chunks)
+    multi = [c for c in chunks if c.observation_mask is not None]
+    observation = None
+    if multi:  # single-turn chunks have no observation tokens
+        observation = torch.cat(
+            [
+                pad_right(
+                    c.observation_mask
+                    if c.observation_mask is not None
+                    else torch.zeros_like(c.response_mask),
+                    R,
+                    0,
+                )
+                for c in chunks
+            ]
+        )
     vision, layout = concat_vision_inputs(
         [c.vision_inputs for c in chunks], [c.vision_layout for c in chunks], P
     )
@@ -590,4 +695,8 @@ def concat_rollouts(chunks: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         truncated=torch.cat([c.truncated for c in chunks]),
         images_per_row=[n for c in chunks for n in c.images_per_row],
         vision_layout=layout,
+        observation_mask=observation,
+        trajectories=[t for c in chunks for t in (c.trajectories or [Trajectory()] * len(c))]
+        if multi
+        else None,
     )

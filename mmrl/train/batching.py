@@ -79,6 +79,8 @@ def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
         images_per_row=[batch.images_per_row[r] for r in rows],
         group_size=batch.group_size,
         vision_layout=layout.rows(rows),
+        observation_mask=None if batch.observation_mask is None else batch.observation_mask[index],
+        trajectories=None if batch.trajectories is None else [batch.trajectories[r] for r in rows],
     )
 
 
@@ -110,7 +112,9 @@ def model_inputs(batch: RolloutBatch) -> dict[str, torch.Tensor]:
     input_ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
     # Positions after a stop token are padding; causal attention means they never affect the
     # response tokens that count, and masking them keeps position ids identical to generation.
-    attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1)
+    # Observation tokens of a multi-turn response are attended to (the model saw them) though
+    # they are not in the loss mask.
+    attention_mask = torch.cat([batch.prompt_mask, batch.response_attention()], dim=1)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     for key, value in batch.vision_inputs.items():
         if key in batch.vision_layout.per_token:  # responses are text: type 0

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmrl.config import AgentConfig
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
 from mmrl.router import Router
 from mmrl.stats import mean_interval
@@ -55,11 +56,15 @@ def run_evaluation(
     progress: bool = False,
     should_stop: Callable[[], bool] | None = None,
     generations: int = 0,
+    agent: AgentConfig | None = None,
 ) -> Evaluation:
     """`evaluate`, with a progress bar of finished responses (`progress`), a stop between two
     responses once `should_stop()` is true (`EvaluationInterrupted`), and the rows of the first
-    `generations` samples."""
+    `generations` samples. Samples that name tools run the multi-turn loop with `agent` (the
+    config's defaults if None), and the `eval/agent/...` metrics report its turns and tool use."""
     from tqdm import tqdm
+
+    from mmrl.rollout.multiturn import generate_trajectories, trajectory_metrics
 
     bar = tqdm(total=len(samples), desc="held-out eval", unit="resp", disable=not progress, leave=False)
 
@@ -71,7 +76,9 @@ def run_evaluation(
     watch = progress or should_stop is not None
     try:
         params = SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens)
-        batch = engine.generate(samples, params, on_response=finished if watch else None)
+        batch = generate_trajectories(
+            engine, samples, params, agent or AgentConfig(), on_response=finished if watch else None
+        )
     finally:
         bar.close()
     if should_stop is not None and should_stop():
@@ -97,6 +104,7 @@ def run_evaluation(
     if len(per_source) > 1:
         for source, accs in sorted(per_source.items()):
             metrics[f"eval/accuracy/{source}"] = sum(accs) / len(accs)
+    metrics.update({f"eval/{k}": v for k, v in trajectory_metrics(batch, 1).items()})
     rows = [
         generation_row(sample, text, result)
         for sample, text, result in zip(batch.samples[:generations], batch.texts, rewards.results)

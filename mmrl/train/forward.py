@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedModel
 
 from mmrl.algos.logprobs import chunk_positions, head_full_kl, head_logprobs, module_head_logprobs
-from mmrl.models.families import family_of, shares_prompts
+from mmrl.models.families import family_of, mm_token_types, shares_prompts
 from mmrl.train.batching import model_inputs, prompt_groups, select_rows
 from mmrl.types import RolloutBatch
 
@@ -178,6 +178,13 @@ def full_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
     t predicts response token t), from one forward over prompt + response."""
     P, R = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
     inputs = model_inputs(batch)
+    if batch.observation_mask is not None and "mm_token_type_ids" in inputs:
+        config = _base(model).config  # images inside the response: their token types too
+        inputs["mm_token_type_ids"] = mm_token_types(
+            inputs["input_ids"],
+            getattr(config, "image_token_id", None),
+            getattr(config, "video_token_id", None),
+        )
     positions = family_of(model).position_ids(model, inputs)  # as generation lays them out
     out = decoder(model)(
         **inputs, use_cache=False, **({} if positions is None else {"position_ids": positions})
@@ -200,6 +207,11 @@ def shared_prompt_hidden(model: PreTrainedModel, batch: RolloutBatch) -> torch.T
        the rollout engine, `mmrl.rollout.hf`).
     """
     if not shares_prompts(model):
+        return None
+    if batch.observation_mask is not None:
+        # Multi-turn responses hold images and observations: their positions are the model's
+        # own layout over the whole sequence (M-RoPE), not the prompt's last one + 1 per token.
+        _say_once("multi-turn responses (observations, images inside the response)")
         return None
     if model.training and gradient_checkpointing(model):
         _say_once("gradient checkpointing drops the key/value cache the shared prompt pass needs")

@@ -47,7 +47,7 @@ from mmrl.algos.dapo import informative_groups, overlong_penalty, truncation_mas
 from mmrl.algos.kl import kl_estimate, kl_penalized_rewards
 from mmrl.algos.stability import batch_normalize_weights, rejection_keep
 from mmrl.algos.tis import tis_weights
-from mmrl.config import Config, config_to_dict, config_to_yaml
+from mmrl.config import AgentConfig, Config, config_to_dict, config_to_yaml
 from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_for_saving, param_groups
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
@@ -57,6 +57,12 @@ from mmrl.rewards.catalog import build_reward_models
 from mmrl.rewards.config import accelerator_device
 from mmrl.rewards.placement import RewardPlacement
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
+from mmrl.rollout.multiturn import (
+    generate_trajectories,
+    shape_results,
+    tokenization_drift,
+    trajectory_metrics,
+)
 from mmrl.router import RewardBatch, Router, model_reward_failed
 from mmrl.routing import make_router
 from mmrl.train.baselines import greedy_baselines
@@ -289,7 +295,7 @@ def _train_holding(
         evaluation = run_evaluation(
             t.engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total),
             progress=cfg.trainer.progress, should_stop=lambda: stop.requested,
-            generations=cfg.trainer.log_generations,
+            generations=cfg.trainer.log_generations, agent=cfg.agent,
         )  # fmt: skip
         metrics = evaluation.metrics
         tr = cfg.trainer
@@ -710,6 +716,9 @@ def learn_from_rollouts(
     metrics.update(engine_facts() if callable(engine_facts) else {})
     metrics.update(mismatch_source_metrics(cfg, batch, inputs.old, inputs.rejected))
     metrics.update(step_metrics(batch, rewards, inputs.advantages, G))
+    metrics.update(trajectory_metrics(batch, G))  # multi-turn: turns, tool calls, terminations
+    if cfg.rollout.tokenization_check and batch.trajectories is not None:
+        metrics.update(tokenization_drift(batch, t.policy.processor))
     metrics["verifier/dropped"] = float(inputs.dropped.sum())
     metrics["guard/skipped_step"] = 0.0
     if a.overlong_buffer > 0 or a.kl_in_reward:
@@ -946,19 +955,32 @@ class DeferredRewards:
     for some rows only; calling it waits for all and returns them with the seconds spent
     waiting in all (errors logged and counted then, once per step)."""
 
-    def __init__(self, pending: Any, batch: RolloutBatch, reward_models: RewardPlacement | None):
+    def __init__(
+        self,
+        pending: Any,
+        batch: RolloutBatch,
+        reward_models: RewardPlacement | None,
+        agent: AgentConfig | None = None,
+    ):
         self.pending = pending
         self.batch = batch
         self.reward_models = reward_models
+        self.agent = agent
         self.waited = 0.0
         self._all: RewardBatch | None = None
+
+    def _shaped(self, results: list, rows: list[int]) -> list:
+        """Multi-turn rows get their tools' part of the reward (`mmrl.rollout.multiturn`)."""
+        if self.batch.trajectories is None or self.agent is None:
+            return results
+        return shape_results(results, [self.batch.trajectories[r] for r in rows], self.agent)
 
     def rows(self, rows: list[int]) -> RewardBatch:
         """The verifier results of `rows` (model rewards are not added: callers check that no
         sample names one)."""
         start = time.monotonic()
         samples, texts = self.batch.samples, self.batch.texts
-        results = self.pending.wait(rows, samples, texts)
+        results = self._shaped(self.pending.wait(rows, samples, texts), list(rows))
         self.waited += time.monotonic() - start
         return RewardBatch.of(results, [samples[r] for r in rows])
 
@@ -966,6 +988,10 @@ class DeferredRewards:
         if self._all is None:
             start = time.monotonic()
             rewards = self.pending.result(self.batch.samples, self.batch.texts)
+            if self.batch.trajectories is not None and self.agent is not None:
+                shaped = self._shaped(rewards.results, list(range(len(self.batch))))
+                rewards.results = shaped
+                rewards.scores = torch.tensor([r.score for r in shaped], dtype=torch.float32)
             if self.reward_models is not None:
                 add_model_rewards(self.reward_models, self.batch, rewards)
             self.waited += time.monotonic() - start
@@ -986,8 +1012,8 @@ def generate_and_score(
     rows = [s for s in samples for _ in range(G)]
     pending = t.router.start(context, len(rows))
     on_response = (lambda r, text: pending.add(r, rows[r], text)) if overlap_rewards(cfg) else None
-    batch = t.engine.generate(samples, params, on_response=on_response)
-    deferred = DeferredRewards(pending, batch, t.reward_models)
+    batch = generate_trajectories(t.engine, samples, params, cfg.agent, on_response=on_response)
+    deferred = DeferredRewards(pending, batch, t.reward_models, cfg.agent)
     if defer:
         return batch, deferred, 0.0
     rewards, waited = deferred()

@@ -1,0 +1,79 @@
+"""Tools for multi-turn rollouts: parse the model's calls, run them, give back observations.
+
+    turn = parse_tool_calls(text)                       # well-formed calls + one error per bad one
+    obs = run_tool_batches([(turn.calls, ctx)], ToolLimits())[0]
+    ctx.add_observations(obs)                           # the new images join the trajectory
+    messages = merge_observations(turn, obs)            # one answer per call written, in order
+
+Tools are registered by name (`register_tool`, `register_verl_tool`); the built-in ones
+(`zoom_in`, `rotate`, `image_info`) register when this package is imported; their settings
+(`ZOOM_OUTPUT_SIDE`, `ZOOM_MIN_SIDE`) are module constants of `mmrl.environments.builtin`.
+"""
+
+from mmrl.environments import builtin  # noqa: F401 - registers the built-in tools
+from mmrl.environments.executor import (
+    apply_limits,
+    release_all,
+    release_batches,
+    run_tool_batches,
+    run_tool_call,
+    run_tool_calls,
+)
+from mmrl.environments.parsers import (
+    call_format_names,
+    error_observations,
+    merge_observations,
+    parse_tool_calls,
+    register_call_format,
+    tool_call_text,
+)
+from mmrl.environments.tools import (
+    FunctionTool,
+    Observation,
+    ParsedTurn,
+    Tool,
+    ToolArgumentError,
+    ToolCall,
+    ToolContext,
+    ToolLimits,
+    add_tool,
+    check_arguments,
+    get_tool,
+    register_tool,
+    tool_names,
+    tool_schemas,
+    unregister_tool,
+)
+from mmrl.environments.verl_adapter import VerlToolAdapter, register_verl_tool
+
+__all__ = [
+    "FunctionTool",
+    "Observation",
+    "ParsedTurn",
+    "Tool",
+    "ToolArgumentError",
+    "ToolCall",
+    "ToolContext",
+    "ToolLimits",
+    "VerlToolAdapter",
+    "add_tool",
+    "apply_limits",
+    "call_format_names",
+    "check_arguments",
+    "error_observations",
+    "get_tool",
+    "merge_observations",
+    "parse_tool_calls",
+    "register_call_format",
+    "register_tool",
+    "register_verl_tool",
+    "release_all",
+    "release_batches",
+    "run_tool_call",
+    "run_tool_batches",
+    "run_tool_calls",
+    "tool_call_text",
+    "tool_names",
+    "tool_schemas",
+    "unregister_tool",
+]

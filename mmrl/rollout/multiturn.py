@@ -1,0 +1,432 @@
+"""The multi-turn rollout loop: a response is a sequence of turns, with tool calls between them.
+
+Per trajectory, until a final answer or a limit:
+
+1. the engine generates a turn (the first from the prompt, as a single-turn rollout does; later
+   ones from the token ids the model has seen so far, `engine.continue_rows`);
+2. the turn's tool calls are parsed in the model's format (`agent.call_format`);
+3. the tools run on this side, every trajectory's calls concurrently, under time limits
+   (`mmrl.environments.run_tool_batches`); a failure is an error observation, counted;
+4. the observation (tool messages: text and images) is tokenized on its own and appended.
+
+Token-in/token-out: the model's tokens are kept exactly as generated and only the new
+observation messages are tokenized (`mmrl.models.chat_templates.observation_text`), so the
+trainer scores exactly the sequence the model sampled from; re-tokenizing the final
+conversation (`rollout.tokenization_check`) is a check, never the source of the ids.
+
+A batch whose samples name no tools is the one-turn case: the engine's `generate` output as is.
+The result is a `RolloutBatch` whose response holds model and observation tokens interleaved,
+`response_mask` 1 on the model's, `observation_mask` 1 on the observations', the rollout
+log-probs of the model's tokens, and every image of each trajectory (the prompt's, then the
+observations') through the image processor once per trajectory, in order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from mmrl.config import AgentConfig
+from mmrl.types import RolloutBatch, Sample, Trajectory
+
+LIMIT_ENDS = ("length", "max_turns", "token_budget", "image_budget")
+"""Terminations on a limit (`agent.over_limit` decides whether they are scored or masked)."""
+
+
+@dataclass
+class _Row:
+    """One trajectory being built."""
+
+    sample: Sample
+    prompt_ids: list[int]
+    images: list[Image.Image]
+    max_turns: int
+    max_tokens: int
+    max_images: int
+    ids: list[int] = field(default_factory=list)
+    """Response ids so far: model and observation tokens interleaved."""
+    model: list[int] = field(default_factory=list)
+    """1 where `ids` holds a model token, 0 where an observation token."""
+    logprobs: list[float] = field(default_factory=list)
+    info: Trajectory = field(default_factory=Trajectory)
+    done: bool = False
+    truncated: bool = False
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def add_turn(self, ids: list[int], logprobs: list[float], text: str) -> None:
+        self.ids += ids
+        self.model += [1] * len(ids)
+        self.logprobs += logprobs
+        self.info.turn_texts.append(text)
+        self.info.messages.append({"role": "assistant", "content": text})
+
+    def add_observation(self, ids: list[int], images: list[Image.Image], messages: list[dict]) -> None:
+        self.ids += ids
+        self.model += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.images += images
+        self.info.images += images
+        self.info.observation_tokens += len(ids)
+        self.info.messages += messages
+
+    def end(self, reason: str) -> None:
+        self.done = True
+        self.info.termination = reason
+
+
+def uses_tools(samples: list[Sample]) -> bool:
+    """Whether any sample names tools (the batch then runs the multi-turn loop)."""
+    return any(s.agent is not None and s.agent.tools for s in samples)
+
+
+def generate_trajectories(
+    engine: Any,
+    samples: list[Sample],
+    params: Any,
+    agent: AgentConfig,
+    on_response: Callable[[int, str], None] | None = None,
+) -> RolloutBatch:
+    """G = params.n trajectories per sample, prompt-major rows as `engine.generate` lays them out.
+
+    `params.max_new_tokens` bounds each model turn, `agent` (and each sample's own `agent`
+    field) the trajectory. `on_response(row, final_text)` is called as each trajectory ends, so
+    its verifier can start while the others go on."""
+    from mmrl.environments import ToolLimits
+
+    if not uses_tools(samples) or getattr(engine, "runs_trajectories", False):
+        return engine.generate(samples, params, on_response=on_response)  # (Ray: each worker loops)
+    processor = engine.processor
+    first = engine.generate(samples, params)  # turn 1: the single-turn path, prompts shared
+    rows = [_start_row(first, r, agent) for r in range(len(first))]
+    limits = ToolLimits(
+        timeout_s=agent.tool_timeout_s,
+        max_text_chars=agent.max_tool_text_chars,
+        max_calls_per_turn=agent.max_calls_per_turn,
+    )
+    for r, row in enumerate(rows):
+        seg = first.response_mask[r].bool()
+        row.add_turn(
+            first.response_ids[r][seg].tolist(), first.rollout_logprobs[r][seg].tolist(), first.texts[r]
+        )
+        row.truncated = bool(first.truncated[r])
+    while True:
+        # a. Which trajectories go on: a turn that ended on its stop token with a tool call.
+        pending: list[tuple[int, Any]] = []  # (row, its last turn's parsed calls)
+        for r, row in enumerate(rows):
+            if row.done:
+                continue
+            turn = _next_calls(row, agent)
+            if turn is None:
+                _finish(row, r, on_response)
+            else:
+                pending.append((r, turn))
+        if not pending:
+            break
+        # b. The tools, every trajectory's calls at once (on this side, under time limits).
+        observations = _run_tools(rows, pending, limits)
+        # c. Each observation tokenized on its own and appended, if the budgets allow.
+        going = []
+        for (r, calls), obs in zip(pending, observations):
+            row = rows[r]
+            ids, images, messages = observation_tokens(processor, calls, obs, agent.call_format)
+            if len(row.info.images) + len(images) > row.max_images:
+                row.end("image_budget")
+            elif len(row.ids) + len(ids) + 1 > row.max_tokens:
+                row.end("token_budget")
+            else:
+                row.add_observation(ids, images, messages)
+                going.append(r)
+            if row.done:
+                _finish(row, r, on_response)
+        if not going:
+            continue
+        # d. The next model turn of every trajectory that goes on (prefilled from its ids).
+        turn_params = _with_max_new_tokens(
+            params, min(params.max_new_tokens, max(rows[r].max_tokens - len(rows[r].ids) for r in going))
+        )
+        outs = engine.continue_rows(
+            [rows[r].prompt_ids + rows[r].ids for r in going], [rows[r].images for r in going], turn_params
+        )
+        for r, (ids, logprobs, truncated) in zip(going, outs):
+            row = rows[r]
+            room = row.max_tokens - len(row.ids)
+            cut = len(ids) > room
+            ids, logprobs = ids[:room], logprobs[:room]
+            row.add_turn(ids, logprobs, processor.tokenizer.decode(ids, skip_special_tokens=True))
+            row.info.turns += 1
+            row.truncated = truncated or cut
+    _release(rows)
+    batch = assemble(first, rows, processor, engine.pad_token_id, agent)
+    batch.group_size = params.n
+    return batch
+
+
+def _start_row(first: RolloutBatch, r: int, agent: AgentConfig) -> _Row:
+    sample = first.samples[r]
+    spec = sample.agent
+    return _Row(
+        sample=sample,
+        prompt_ids=first.prompt_ids[r][first.prompt_mask[r].bool()].tolist(),
+        images=sample.pil_images(),
+        max_turns=(spec.max_turns if spec and spec.max_turns is not None else agent.max_turns),
+        max_tokens=(spec.max_tokens if spec and spec.max_tokens is not None else agent.max_tokens),
+        max_images=(spec.max_images if spec and spec.max_images is not None else agent.max_images),
+    )
+
+
+def _next_calls(row: _Row, agent: AgentConfig) -> Any:
+    """The last turn's parsed calls if the trajectory goes on, else None (ended: the reason set)."""
+    from mmrl.environments import parse_tool_calls
+
+    if row.truncated:
+        row.end("length")
+        return None
+    if row.sample.agent is None or not row.sample.agent.tools:
+        row.end("answer")
+        return None
+    parsed = parse_tool_calls(row.info.turn_texts[-1], agent.call_format)
+    if not parsed.calls and not parsed.errors:
+        row.end("answer")
+        return None
+    if row.info.turns >= row.max_turns:
+        row.end("max_turns")
+        return None
+    return parsed
+
+
+def _run_tools(rows: list[_Row], pending: list[tuple[int, Any]], limits: Any) -> list[list]:
+    """Every pending trajectory's calls run at once (`mmrl.environments.run_tool_batches`); a
+    malformed call gets its error observation in its place, without running anything. Returns
+    per trajectory one observation per call written, in order."""
+    from mmrl.environments import ToolContext, merge_observations, run_tool_batches
+
+    contexts = []
+    for r, _ in pending:
+        row = rows[r]
+        contexts.append(
+            ToolContext(
+                images=list(row.images),
+                sample_id=row.sample.id,
+                state=row.state,
+                tools=list(row.sample.agent.tools),
+            )
+        )
+    results = run_tool_batches([(parsed.calls, c) for (_, parsed), c in zip(pending, contexts)], limits)
+    out = []
+    for (r, parsed), observations in zip(pending, results):
+        row = rows[r]
+        obs = merge_observations(parsed, observations)
+        row.info.tool_calls += len(obs)
+        for o in obs:
+            row.info.tool_reward += float(o.reward)
+            if o.error is not None:
+                row.info.tool_errors[o.error] = row.info.tool_errors.get(o.error, 0) + 1
+        out.append(obs)
+    return out
+
+
+def observation_tokens(
+    processor: Any, calls: list, observations: list, call_format: str = "hermes"
+) -> tuple[list[int], list[Image.Image], list[dict]]:
+    """The token ids of one turn's observations (tool messages rendered by the chat template
+    after an assistant turn, the next generation prompt included, image tokens expanded by the
+    processor), their images and the tool messages."""
+    from mmrl.models.chat_templates import observation_text
+
+    messages = []
+    images: list[Image.Image] = []
+    for o in observations:
+        parts: list[dict[str, Any]] = [{"type": "image"} for _ in o.images]
+        parts.append({"type": "text", "text": o.text})
+        messages.append({"role": "tool", "content": parts})
+        images += list(o.images)
+    text = observation_text(processor, messages)
+    if images:
+        encoded = processor(text=[text], images=[images], return_tensors="pt")
+    else:
+        encoded = processor(text=[text], return_tensors="pt")
+    return encoded["input_ids"][0].tolist(), images, messages
+
+
+def _release(rows: list[_Row]) -> None:
+    """Let stateful tools (class and veRL tools) release each trajectory's instance. (Their
+    rewards are already in the observations: each call's step reward and its rise in
+    `calc_reward`, `mmrl.environments.verl_adapter`.)"""
+    from mmrl.environments import ToolContext, release_batches
+
+    used = [row for row in rows if row.state]
+    if not used:
+        return
+    contexts = [ToolContext(images=row.images, sample_id=row.sample.id, state=row.state) for row in used]
+    release_batches(contexts)
+
+
+def _finish(row: _Row, r: int, on_response: Callable[[int, str], None] | None) -> None:
+    if on_response is not None:
+        on_response(r, row.info.turn_texts[-1] if row.info.turn_texts else "")
+
+
+def _with_max_new_tokens(params: Any, n: int) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(params, max_new_tokens=max(1, n))
+
+
+def assemble(
+    first: RolloutBatch, rows: list[_Row], processor: Any, pad_token_id: int, agent: AgentConfig
+) -> RolloutBatch:
+    """The trajectories as one `RolloutBatch` (prompts as the first turn encoded them)."""
+    from mmrl.models.families import vision_layout
+    from mmrl.rollout.hf import image_inputs
+
+    N = len(rows)
+    R = max(1, max(len(row.ids) for row in rows))
+    device = first.prompt_ids.device
+    response = torch.full((N, R), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((N, R), dtype=torch.long)
+    observation = torch.zeros((N, R), dtype=torch.long)
+    logprobs = torch.zeros((N, R), dtype=torch.float32)
+    for r, row in enumerate(rows):
+        n = len(row.ids)
+        response[r, :n] = torch.tensor(row.ids, dtype=torch.long)
+        model = torch.tensor(row.model, dtype=torch.long)
+        mask[r, :n] = model
+        observation[r, :n] = 1 - model
+        logprobs[r, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
+        if agent.over_limit == "mask" and row.info.termination in LIMIT_ENDS:
+            mask[r] = 0  # out of the loss; the observations stay attended, so positions hold
+            logprobs[r] = 0.0
+    images = [row.images for row in rows]
+    vision = image_inputs(processor, images)
+    images_per_row = [len(x) for x in images]
+    vision = {k: v.to(device) for k, v in vision.items()}
+    # Inputs aligned with the prompt's tokens (Qwen-VL's `mm_token_type_ids`) stay the prompt's;
+    # the trainer's forward derives the response's own from its ids.
+    for key in first.vision_layout.per_token:
+        if key in first.vision_inputs:
+            vision[key] = first.vision_inputs[key]
+    return RolloutBatch(
+        samples=first.samples,
+        prompt_ids=first.prompt_ids,
+        prompt_mask=first.prompt_mask,
+        response_ids=response.to(device),
+        response_mask=mask.to(device),
+        rollout_logprobs=logprobs.to(device),
+        vision_inputs=vision,
+        texts=[row.info.turn_texts[-1] if row.info.turn_texts else "" for row in rows],
+        truncated=torch.tensor([row.truncated for row in rows], dtype=torch.bool, device=device),
+        images_per_row=images_per_row,
+        group_size=first.group_size,
+        vision_layout=vision_layout(processor, vision, images_per_row),
+        observation_mask=observation.to(device),
+        trajectories=[row.info for row in rows],
+    )
+
+
+# -- rewards and metrics ------------------------------------------------------------------------
+
+
+def agent_reward(trajectory: Trajectory, accuracy: float, agent: AgentConfig) -> dict[str, float]:
+    """What the trajectory's tools add to its verifier score, as named components: `tool_reward`
+    (the tools' own rewards x `agent.tool_reward_weight`) or, with `agent.reward=deepeyes`,
+    `tool_bonus` (DeepEyes: the bonus only when the answer is correct and a tool was called
+    without error). Their sum is added to the score."""
+    if agent.reward == "deepeyes":
+        clean_call = trajectory.tool_calls > sum(trajectory.tool_errors.values())
+        return {"tool_bonus": agent.tool_bonus if accuracy > 0 and clean_call else 0.0}
+    return {"tool_reward": agent.tool_reward_weight * trajectory.tool_reward}
+
+
+def shape_results(results: list, trajectories: list[Trajectory], agent: AgentConfig) -> list:
+    """The verifier results with the tools' part added (`agent_reward`) as new objects (the
+    router's own results are shared between calls and are not changed). A verifier error
+    stays as it is: nothing is added to an error result."""
+    import dataclasses
+
+    out = []
+    for result, trajectory in zip(results, trajectories):
+        if result.error is not None:
+            out.append(result)
+            continue
+        parts = agent_reward(trajectory, result.components.get("accuracy", result.score), agent)
+        out.append(
+            dataclasses.replace(
+                result, score=result.score + sum(parts.values()), components={**result.components, **parts}
+            )
+        )
+    return out
+
+
+def trajectory_metrics(batch: RolloutBatch, group_size: int) -> dict[str, float]:
+    """`agent/` metrics of a multi-turn batch, overall and per data source: turns, tool calls and
+    observation tokens per trajectory, tool error and time-out rates (per call), termination
+    reasons (fractions), the tool-call rate (trajectories with a call) and the groups' lowest
+    tool-call rate (`agent/group_tool_call_rate_min`: a collapse to zero shows here first)."""
+    if batch.trajectories is None:
+        return {}
+    by_source: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(batch.samples):
+        by_source[s.data_source].append(i)
+    out: dict[str, float] = {}
+    for suffix, rows in [("", list(range(len(batch))))] + [
+        (f"/{k}", v) for k, v in sorted(by_source.items())
+    ]:
+        trajs = [batch.trajectories[i] for i in rows]
+        n = len(trajs)
+        calls = sum(t.tool_calls for t in trajs)
+        errors = Counter()
+        for t in trajs:
+            errors.update(t.tool_errors)
+        out[f"agent/turns{suffix}"] = sum(t.turns for t in trajs) / n
+        out[f"agent/tool_calls{suffix}"] = calls / n
+        out[f"agent/tool_call_rate{suffix}"] = sum(t.tool_calls > 0 for t in trajs) / n
+        out[f"agent/observation_tokens{suffix}"] = sum(t.observation_tokens for t in trajs) / n
+        out[f"agent/tool_error_rate{suffix}"] = sum(errors.values()) / calls if calls else 0.0
+        out[f"agent/tool_timeout_rate{suffix}"] = errors.get("timeout", 0) / calls if calls else 0.0
+        ends = Counter(t.termination for t in trajs)
+        for reason in ("answer",) + LIMIT_ENDS:
+            out[f"agent/end_{reason}{suffix}"] = ends.get(reason, 0) / n
+    G = max(1, group_size)
+    rates = [
+        sum(t.tool_calls > 0 for t in batch.trajectories[g : g + G]) / len(batch.trajectories[g : g + G])
+        for g in range(0, len(batch), G)
+    ]
+    out["agent/group_tool_call_rate_min"] = min(rates)
+    return out
+
+
+def tokenization_drift(batch: RolloutBatch, processor: Any) -> dict[str, float]:
+    """`rollout.tokenization_check`: the chat template re-applied to each final conversation,
+    tokenized, against the ids the model saw (`agent/tokenization_drift`: mean positions from
+    the first difference to the end; `agent/tokenization_drift_rows`: the fraction of rows that
+    differ at all). Runs of image tokens count as one token on both sides (see
+    `mmrl.models.chat_templates.tokenization_drift`). A check only: training always uses the
+    ids as generated."""
+    from mmrl.models.chat_templates import tokenization_drift as drift_of
+    from mmrl.rollout.hf import tools_argument
+
+    if batch.trajectories is None:
+        return {}
+    start = time.perf_counter()
+    drifts = []
+    for r, (sample, traj) in enumerate(zip(batch.samples, batch.trajectories)):
+        prompt = batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist()
+        response = batch.response_ids[r][batch.response_attention()[r].bool()].tolist()
+        messages = sample.chat_messages() + traj.messages
+        tokenizer = getattr(processor, "tokenizer", processor)
+        result = drift_of(
+            tokenizer, prompt, response, messages, tools_argument(sample).get("tools"),
+            stopped=not bool(batch.truncated[r]),
+        )  # fmt: skip
+        drifts.append(result["drift_tokens"])
+    return {
+        "agent/tokenization_drift": sum(drifts) / len(drifts),
+        "agent/tokenization_drift_rows": sum(d > 0 for d in drifts) / len(drifts),
+        "time/tokenization_check_s": time.perf_counter() - start,
+    }

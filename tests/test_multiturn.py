@@ -1,0 +1,184 @@
+"""The multi-turn rollout loop (`mmrl.rollout.multiturn`) and the trainer's side of it.
+
+The random tiny model never writes a tool call by itself, so these tests register a call format
+that reads every turn as a call to `zoom_in` (`always_zoom`): the model's tokens are still its
+own samples, the tool really runs, and its crops really enter the sequence as images."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mmrl.config import AgentConfig
+from mmrl.datasets.procedural import make_samples
+from mmrl.environments import ParsedTurn, ToolCall, register_call_format
+from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
+from mmrl.rollout.multiturn import generate_trajectories, trajectory_metrics
+from mmrl.train.batching import select_rows
+from mmrl.train.forward import output_head, response_logprobs
+from mmrl.types import AgentSpec
+
+
+@register_call_format("always_zoom")
+def _always_zoom(text: str) -> ParsedTurn:
+    return ParsedTurn(
+        calls=[ToolCall("zoom_in", {"bbox_2d": [0, 0, 32, 32]}, text)], errors=[], error_kinds=[]
+    )
+
+
+@register_call_format("never_called")
+def _never(text: str) -> ParsedTurn:
+    return ParsedTurn(calls=[], errors=[], error_kinds=[])
+
+
+@pytest.fixture()
+def tiny_policy(tiny_policy):
+    """The random tiny Qwen2-VL with an LM head bias that makes its stop token likely (about half
+    of the draws), so that its turns end on their stop token within a few tokens."""
+    model = tiny_policy.model
+    old = model.lm_head
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+        head.bias.zero_()
+        head.bias[tiny_policy.stop_token_ids[0]] = 5.6
+    model.lm_head = head
+    return tiny_policy
+
+
+def _tool_samples(n: int, tools: bool = True, **limits):
+    samples = make_samples(["colour_code", "count"], n, "train")
+    if not tools:
+        return samples
+    return [dataclasses.replace(s, agent=AgentSpec(tools=["zoom_in"], **limits)) for s in samples]
+
+
+def _agent(**kw) -> AgentConfig:
+    return AgentConfig(call_format="always_zoom", max_turns=3, max_tokens=400, **kw)
+
+
+def test_three_turn_trajectories_recompute_the_rollout_logprobs_and_train_no_observation_token(tiny_policy):
+    """The acceptance test: a float32 tiny model, 3-turn trajectories with two observation
+    images each. The trainer's log-probs of the model tokens equal the rollout's within 1e-5 and
+    observation tokens enter no loss: no log-prob, no gradient through the LM head."""
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    samples = _tool_samples(3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
+    batch = generate_trajectories(engine, samples, params, _agent())
+    assert batch.observation_mask is not None and batch.trajectories is not None
+    for r, traj in enumerate(batch.trajectories):
+        assert traj.turns == 3 and traj.termination == "max_turns"  # a call in turn 3 is not run
+        assert len(traj.images) == 2  # two zoom crops: the observation images
+        assert batch.images_per_row[r] == len(batch.samples[r].images) + 2
+        assert traj.observation_tokens == int(batch.observation_mask[r].sum()) > 0
+    # model and observation tokens never overlap; observations carry no rollout log-prob
+    assert not (batch.response_mask.bool() & batch.observation_mask.bool()).any()
+    assert (batch.rollout_logprobs[batch.observation_mask.bool()] == 0).all()
+    image_pad = tiny_policy.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert (batch.response_ids[batch.observation_mask.bool()] == image_pad).any()  # images in the response
+
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
+    torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)
+    # a sub-batch keeps each row's own images (pixel slices of multi-image rows)
+    rows = [5, 0, 3]
+    with torch.no_grad():
+        sub, _ = response_logprobs(tiny_policy.model, select_rows(batch, rows), tiny_policy.blocked, 1.0)
+    torch.testing.assert_close(sub, batch.rollout_logprobs[rows], atol=1e-5, rtol=0)
+
+    # Gradients: the per-token log-probs at observation positions are exactly 0 and get exactly
+    # zero gradient, and the LM head's gradient is the one from the model tokens' positions alone.
+    model = tiny_policy.model
+    model.zero_grad()
+    logprobs, _ = response_logprobs(model, batch, tiny_policy.blocked, 1.0)
+    logprobs.retain_grad()
+    advantages = torch.linspace(-1.0, 1.0, len(batch))[:, None]
+    loss = -(logprobs * advantages * batch.response_mask).sum()
+    loss.backward()
+    obs = batch.observation_mask.bool()
+    assert (logprobs.detach()[obs] == 0).all() and (logprobs.grad[obs] == 0).all()
+    head, _ = output_head(model)
+    if head.weight is not model.get_input_embeddings().weight:  # (untied: its gradient is the head's alone)
+        full_grad = head.weight.grad.clone()
+        captured = {}
+
+        def keep(module, args, output):
+            captured["h"] = output.last_hidden_state.detach()
+
+        from mmrl.train.forward import decoder, full_hidden
+
+        handle = decoder(model).register_forward_hook(keep)
+        try:
+            with torch.no_grad():
+                full_hidden(model, batch)
+        finally:
+            handle.remove()
+        P = batch.prompt_ids.shape[1]
+        h = captured["h"][:, P - 1 : P - 1 + batch.response_ids.shape[1]][batch.response_mask.bool()]
+        y = batch.response_ids[batch.response_mask.bool()]
+        w = head.weight.detach().clone().requires_grad_(True)
+        logits = (h @ w.T + head.bias.detach()).masked_fill(tiny_policy.blocked[: w.shape[0]], float("-inf"))
+        lp = torch.log_softmax(logits, -1).gather(-1, y[:, None]).squeeze(-1)
+        adv = advantages.expand_as(batch.response_mask)[batch.response_mask.bool()]
+        (-(lp * adv).sum()).backward()
+        torch.testing.assert_close(full_grad, w.grad, atol=1e-5, rtol=1e-4)
+    model.zero_grad()
+
+
+def test_samples_without_tools_are_the_one_turn_case(tiny_policy):
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
+    torch.manual_seed(1)
+    plain = engine.generate(_tool_samples(2, tools=False), params)
+    torch.manual_seed(1)
+    looped = generate_trajectories(engine, _tool_samples(2, tools=False), params, _agent())
+    assert looped.observation_mask is None and looped.trajectories is None
+    assert torch.equal(plain.response_ids, looped.response_ids)
+    assert torch.equal(plain.rollout_logprobs, looped.rollout_logprobs)
+
+
+def test_with_and_without_tools_mix_in_one_batch(tiny_policy):
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    samples = _tool_samples(2) + _tool_samples(2, tools=False)
+    samples = [
+        dataclasses.replace(s, extra_info={**s.extra_info, "id": f"{i}"}) for i, s in enumerate(samples)
+    ]
+    batch = generate_trajectories(engine, samples, SamplingParams(n=2, max_new_tokens=12), _agent())
+    turns = [t.turns for t in batch.trajectories]
+    assert turns[:4] == [3] * 4 and turns[4:] == [1] * 4
+    assert batch.observation_mask[4:].sum() == 0
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
+    torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)
+    metrics = trajectory_metrics(batch, 2)
+    assert metrics["agent/tool_call_rate"] == 0.5
+    assert metrics["agent/group_tool_call_rate_min"] == 0.0
+    assert metrics["agent/end_max_turns"] == 0.5 and metrics["agent/end_answer"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("limits", "reason", "images"),
+    [({"max_images": 1}, "image_budget", 1), ({"max_tokens": 30}, "token_budget", None)],
+)
+def test_budgets_end_a_trajectory_before_the_observation_is_appended(tiny_policy, limits, reason, images):
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = generate_trajectories(
+        engine, _tool_samples(1, **limits), SamplingParams(n=2, max_new_tokens=12), _agent()
+    )
+    for r, traj in enumerate(batch.trajectories):
+        assert traj.termination == reason
+        if images is not None:
+            assert len(traj.images) == images
+        n = int((batch.response_mask[r] | batch.observation_mask[r]).sum())
+        assert n <= batch.samples[r].agent.max_tokens if batch.samples[r].agent.max_tokens else True
+
+
+def test_over_limit_mask_takes_the_trajectory_out_of_the_loss(tiny_policy):
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = generate_trajectories(
+        engine, _tool_samples(1), SamplingParams(n=2, max_new_tokens=12), _agent(over_limit="mask")
+    )
+    assert all(t.termination == "max_turns" for t in batch.trajectories)
+    assert batch.response_mask.sum() == 0 and batch.observation_mask.sum() > 0
