@@ -56,7 +56,7 @@ def _tool_samples(n: int, tools: bool = True, **limits):
 
 
 def _agent(**kw) -> AgentConfig:
-    return AgentConfig(call_format="always_zoom", max_turns=3, max_tokens=400, **kw)
+    return AgentConfig(**{"call_format": "always_zoom", "max_turns": 3, "max_tokens": 400, **kw})
 
 
 def test_three_turn_trajectories_recompute_the_rollout_logprobs_and_train_no_observation_token(tiny_policy):
@@ -182,3 +182,86 @@ def test_over_limit_mask_takes_the_trajectory_out_of_the_loss(tiny_policy):
     )
     assert all(t.termination == "max_turns" for t in batch.trajectories)
     assert batch.response_mask.sum() == 0 and batch.observation_mask.sum() > 0
+
+
+def test_grpo_steps_train_on_trajectories_with_their_metrics(tiny_policy, mmrl_cache):
+    """Two GRPO steps of the trainer's own loop (`grpo_step`) on samples that name a tool: the
+    update runs on multi-turn batches (the weights move) and the `agent/` metrics are reported,
+    overall and per data source."""
+    from mmrl.config import load_config
+    from mmrl.train import grpo
+    from mmrl.train.data import PromptSampler
+    from mmrl.types import VerifyContext
+
+    cfg = load_config(
+        "vision_reasoning",
+        overrides=[
+            "trainer.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
+            "trainer.mini_batches=1", "trainer.progress=false", "reward.num_workers=0",
+            "agent.call_format=always_zoom", "agent.max_turns=2", "rollout.tokenization_check=true",
+            "algo.entropy_coef=0.01",  # a gradient even where the random model's groups all score 0
+        ],
+    )  # fmt: skip
+    before = {k: v.detach().clone() for k, v in tiny_policy.model.state_dict().items()}
+    grpo.seed_everything(cfg.trainer.seed)
+    t = grpo.make_trainee(cfg, tiny_policy, None)
+    sampler = PromptSampler(_tool_samples(4), cfg.trainer.seed)
+    try:
+        metrics = [grpo.grpo_step(cfg, t, sampler, VerifyContext(k, 2), step=k + 1) for k in range(2)]
+    finally:
+        t.close()
+    for m in metrics:
+        assert m["agent/turns"] == 2.0 and m["agent/tool_call_rate"] == 1.0
+        assert m["agent/end_max_turns"] == 1.0 and m["agent/observation_tokens"] > 0
+        assert m["agent/tokenization_drift"] >= 0.0  # (which rows drift: the next test)
+        assert any(k.startswith("agent/turns/") for k in m)  # per data source
+        assert all(
+            torch.isfinite(torch.tensor(v)) for k, v in m.items() if k.startswith(("actor/", "agent/"))
+        )
+    after = tiny_policy.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_deepeyes_reward_gives_the_tool_bonus_only_to_correct_answers_that_used_a_tool():
+    from mmrl.rollout.multiturn import shape_results
+    from mmrl.types import Trajectory, VerifierResult
+
+    used = Trajectory(turns=2, tool_calls=1)
+    failed = Trajectory(turns=2, tool_calls=1, tool_errors={"bad_arguments": 1})
+    none = Trajectory(turns=1, tool_calls=0)
+    results = [
+        VerifierResult(score=1.0, components={"accuracy": 1.0}),
+        VerifierResult(score=0.0, components={"accuracy": 0.0}),
+        VerifierResult(score=1.0, components={"accuracy": 1.0}),
+        VerifierResult(score=1.0, components={"accuracy": 1.0}),
+        VerifierResult(score=0.0, error="timeout: math verifier ran past 5s"),
+    ]
+    agent = AgentConfig(reward="deepeyes", tool_bonus=0.5)
+    shaped = shape_results(results, [used, used, failed, none, used], agent)
+    assert [r.score for r in shaped] == [1.5, 0.0, 1.0, 1.0, 0.0]
+    assert shaped[0].components["tool_bonus"] == 0.5 and results[0].score == 1.0  # the router's own kept
+    weighted = shape_results(
+        results[:1], [Trajectory(tool_calls=1, tool_reward=2.0)], AgentConfig(tool_reward_weight=0.25)
+    )
+    assert weighted[0].score == 1.5
+
+
+def test_the_tokenization_check_finds_drift_exactly_where_a_turn_decodes_lossily(tiny_policy):
+    """The random model samples arbitrary bytes: a turn that is not valid UTF-8 decodes with
+    U+FFFD and re-tokenizes differently (drift > 0); every other row re-renders to exactly the
+    ids the model saw (drift 0) through the byte template."""
+    from mmrl.rollout.multiturn import row_drifts
+
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    batch = generate_trajectories(
+        engine, _tool_samples(4), SamplingParams(n=4, max_new_tokens=12), _agent(max_turns=2)
+    )
+    tok = tiny_policy.processor.tokenizer
+    stop = tiny_policy.stop_token_ids[0]
+    drifts = row_drifts(batch, tiny_policy.processor)
+    lossless = []
+    for r in range(len(batch)):
+        ids = [i for i in batch.response_ids[r][batch.response_mask[r].bool()].tolist() if i != stop]
+        lossless.append(tok.encode("".join(batch.trajectories[r].turn_texts)) == ids)
+    assert any(lossless) and not all(lossless)  # both kinds in the batch (seeded)
+    assert [d == 0 for d in drifts] == lossless

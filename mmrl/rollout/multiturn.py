@@ -401,30 +401,38 @@ def trajectory_metrics(batch: RolloutBatch, group_size: int) -> dict[str, float]
     return out
 
 
-def tokenization_drift(batch: RolloutBatch, processor: Any) -> dict[str, float]:
-    """`rollout.tokenization_check`: the chat template re-applied to each final conversation,
-    tokenized, against the ids the model saw (`agent/tokenization_drift`: mean positions from
-    the first difference to the end; `agent/tokenization_drift_rows`: the fraction of rows that
-    differ at all). Runs of image tokens count as one token on both sides (see
-    `mmrl.models.chat_templates.tokenization_drift`). A check only: training always uses the
-    ids as generated."""
+def row_drifts(batch: RolloutBatch, processor: Any) -> list[int]:
+    """Per row, the tokens from the first difference to the end between the ids the model saw
+    and the chat template re-applied to its final conversation (0: the same ids). Runs of
+    image tokens count as one token on both sides (`mmrl.models.chat_templates.tokenization_drift`)."""
     from mmrl.models.chat_templates import tokenization_drift as drift_of
     from mmrl.rollout.hf import tools_argument
 
-    if batch.trajectories is None:
-        return {}
-    start = time.perf_counter()
+    tokenizer = getattr(processor, "tokenizer", processor)
     drifts = []
-    for r, (sample, traj) in enumerate(zip(batch.samples, batch.trajectories)):
+    for r, (sample, traj) in enumerate(zip(batch.samples, batch.trajectories or [])):
         prompt = batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist()
         response = batch.response_ids[r][batch.response_attention()[r].bool()].tolist()
         messages = sample.chat_messages() + traj.messages
-        tokenizer = getattr(processor, "tokenizer", processor)
         result = drift_of(
             tokenizer, prompt, response, messages, tools_argument(sample).get("tools"),
             stopped=not bool(batch.truncated[r]),
         )  # fmt: skip
-        drifts.append(result["drift_tokens"])
+        drifts.append(int(result["drift_tokens"]))
+    return drifts
+
+
+def tokenization_drift(batch: RolloutBatch, processor: Any) -> dict[str, float]:
+    """`rollout.tokenization_check`: the chat template re-applied to each final conversation,
+    tokenized, against the ids the model saw (`agent/tokenization_drift`: mean positions from
+    the first difference to the end, `row_drifts`; `agent/tokenization_drift_rows`: the
+    fraction of rows that differ at all). A model turn whose bytes are not valid UTF-8 decodes
+    lossily and drifts too: that is what the check is for. A check only: training always uses
+    the ids as generated."""
+    if batch.trajectories is None:
+        return {}
+    start = time.perf_counter()
+    drifts = row_drifts(batch, processor)
     return {
         "agent/tokenization_drift": sum(drifts) / len(drifts),
         "agent/tokenization_drift_rows": sum(d > 0 for d in drifts) / len(drifts),
