@@ -174,6 +174,9 @@ class RolloutConfig:
     vllm_tensor_parallel_size: int = 1
     """vLLM: GPUs each engine shards the model over (tensor parallelism); with the Ray backend
     each rollout worker needs that many (`trainer.ray_gpus_per_actor`)."""
+    vllm_max_images: int = 8
+    """vLLM: most images per prompt (`limit_mm_per_prompt`), the prompt's and a multi-turn
+    trajectory's observations together."""
     vllm_weight_sync: str = "auto"
     """vLLM: how new weights reach the engine (never through its RPC): `inprocess` (the engine
     runs in this process, weights loaded straight into its model), `nccl` (a separate engine:
@@ -736,6 +739,7 @@ class Config:
             (t.log_generations >= 0, f"trainer.log_generations must be >= 0, got {t.log_generations}"),
             *logger_checks(t),
             (r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}"),
+            (r.vllm_max_images >= 1, f"rollout.vllm_max_images must be >= 1, got {r.vllm_max_images}"),
             *agent_checks(self.agent),
             (r.max_batch_rows >= 1, f"rollout.max_batch_rows must be >= 1, got {r.max_batch_rows}"),
             (d.num_train >= 0 and d.num_heldout >= 0, "data.num_train and data.num_heldout must be >= 0"),

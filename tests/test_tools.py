@@ -221,7 +221,7 @@ def test_zoom_in_crops_the_right_pixels():
     assert obs.error is None
     assert obs.text == "Zoomed in on [110, 110, 140, 140] of image 0. Label: red square."
     (crop,) = obs.images
-    assert crop.mode == "RGB" and crop.size == (builtin.ZOOM_OUTPUT_SIDE, builtin.ZOOM_OUTPUT_SIDE)
+    assert crop.mode == "RGB" and crop.size == (30, 30)  # its own pixels (ZOOM_OUTPUT_SIDE None)
     assert set(crop.getdata()) == {RED}  # wholly inside the square
     (obs,) = _run([_call("zoom_in", bbox_2d=[0, 0, 60, 60])], context)
     assert set(obs.images[0].getdata()) == {WHITE}  # wholly outside it
@@ -235,14 +235,16 @@ def test_zoom_in_crops_the_right_pixels():
 
 def test_zoom_in_output_sizes(monkeypatch):
     context = ToolContext(images=[_image()])
+    (obs,) = _run([_call("zoom_in", bbox_2d=[100, 100, 110, 120])], context)
+    assert obs.images[0].size == (28, 56)  # min side 28, as veRL's zoom-in tool, aspect kept
+    assert set(obs.images[0].getdata()) == {RED}
+    (obs,) = _run([_call("zoom_in", bbox_2d=[0, 0, 60, 90])], context)
+    assert obs.images[0].size == (60, 90)  # large enough: its own pixels
+    monkeypatch.setattr(builtin, "ZOOM_OUTPUT_SIDE", 64)
     (obs,) = _run([_call("zoom_in", bbox_2d=[0, 0, 30, 60])], context)
     assert obs.images[0].size == (32, 64)  # longer side to ZOOM_OUTPUT_SIDE, aspect kept
     (obs,) = _run([_call("zoom_in", bbox_2d=[0, 0, 10, 100])], context)
     assert obs.images[0].size == (28, 280)  # then the shorter side up to 28
-    monkeypatch.setattr(builtin, "ZOOM_OUTPUT_SIDE", None)
-    (obs,) = _run([_call("zoom_in", bbox_2d=[100, 100, 110, 120])], context)
-    assert obs.images[0].size == (28, 56)  # min side 28, as veRL's zoom-in tool
-    assert set(obs.images[0].getdata()) == {RED}
     (obs,) = _run([_call("zoom_in", bbox_2d=[0, 0, 100, 50])], context)
     assert obs.images[0].size == (100, 50)  # large enough: kept as cropped
 

@@ -1150,6 +1150,158 @@ def test_weight_sync_settings():
 
 
 # ---------------------------------------------------------------------------------------------
+# Multi-turn: later turns from token ids (continue_rows)
+# ---------------------------------------------------------------------------------------------
+
+
+def _content(text: str) -> list[dict]:
+    """Chat message parts of a text with `<image>` placeholders."""
+    parts: list[dict] = []
+    for i, piece in enumerate(text.split("<image>")):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def _expanded_row(processor, images: list, turns: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
+    """A multi-turn row as `continue_rows` gets it: (the ids with image tokens expanded by the HF
+    processor, the ids of the same text unexpanded). `turns` are (role, text) with `<image>`
+    placeholders; the generation prompt follows them."""
+    messages = [{"role": role, "content": _content(text)} for role, text in turns]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expanded = processor(text=[text], images=[images] if images else None, return_tensors="pt")
+    return expanded["input_ids"][0].tolist(), processor.tokenizer(text)["input_ids"]
+
+
+def test_collapsing_image_tokens_gives_one_placeholder_per_image_and_nothing_else_changes():
+    """The tiny Qwen2-VL's processor expands each 64x64 image to 16 `<|image_pad|>`; collapsed,
+    the ids are the template text's as the tokenizer reads it (what `vllm_prompts` sends)."""
+    processor = build_processor(TinyVLMSpec())
+    pad = engine_module.image_token_id(processor)
+    assert pad == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    images = [Image.new("RGB", (64, 64), "red"), Image.new("RGB", (64, 64), "blue")]
+    ids, unexpanded = _expanded_row(processor, images, [("user", "<image>first, <image>second")])
+    assert ids.count(pad) == 32
+    collapsed = engine_module.collapse_image_tokens(ids, pad, 2)
+    assert collapsed.count(pad) == 2
+    assert collapsed == unexpanded
+    assert [t for t in collapsed if t != pad] == [t for t in ids if t != pad]  # the rest unchanged
+    start, end = (
+        processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>")
+    )
+    at = [i for i, t in enumerate(collapsed) if t == pad]
+    assert all(collapsed[i - 1] == start and collapsed[i + 1] == end for i in at)
+    text_only = [5, 6, 7]
+    assert engine_module.collapse_image_tokens(text_only, pad, 0) == text_only
+    for wrong in (1, 3):
+        with pytest.raises(
+            ValueError, match=rf"image tokens and images out of step: 2 runs .* {wrong} images"
+        ):
+            engine_module.collapse_image_tokens(ids, pad, wrong)
+    with pytest.raises(ValueError, match="out of step: 0 runs .* 1 images"):
+        engine_module.collapse_image_tokens(text_only, pad, 1)
+
+
+def test_too_many_images_in_a_row_is_an_error_naming_the_setting():
+    red = Image.new("RGB", (8, 8), "red")
+    with pytest.raises(ValueError, match=r"row 1 holds 3 images, rollout\.vllm_max_images is 2"):
+        engine_module.continuation_prompts([[1, 9, 2], [9, 3, 9, 4, 9]], [[red], [red] * 3], 9, 2)
+    with pytest.raises(ValueError, match=r"row 0: image tokens and images out of step: 1 runs .* 2 images"):
+        engine_module.continuation_prompts([[1, 9, 9, 2]], [[red, red]], 9, 2)
+    (prompt,) = engine_module.continuation_prompts([[1, 2]], [[]], 9, 2)
+    assert prompt == {"prompt_token_ids": [1, 2]}  # no multi_modal_data without images
+    with pytest.raises(ValueError, match="must be >= 1"):
+        load_config(overrides=["rollout.vllm_max_images=0"])
+
+
+def _rows(processor) -> tuple[list[list[int]], list[list], list[list[int]]]:
+    """Three rows after a tool call: two images in the prompt and one from the observation; text
+    only; one image. (ids expanded, images, the same ids unexpanded)"""
+    red, blue, green = (Image.new("RGB", (64, 64), c) for c in ("red", "blue", "green"))
+    chats = [
+        ([red, blue, green], [("user", "<image>first, <image>second: zoom?"), ("assistant", "zoom"),
+                              ("user", "<image>the crop")]),
+        ([], [("user", "What is 2 + 3?"), ("assistant", "calc"), ("user", "5")]),
+        ([blue], [("user", "<image>colour?"), ("assistant", "look"), ("user", "blue")]),
+    ]  # fmt: skip
+    rows = [_expanded_row(processor, images, turns) for images, turns in chats]
+    return [r[0] for r in rows], [images for images, _ in chats], [r[1] for r in rows]
+
+
+def test_continue_rows_sends_one_placeholder_per_image_and_parses_each_rows_turn(saved_policy, fake_vllm):
+    """What reaches vLLM for a later turn: per row one `TokensPrompt` (one completion), its ids
+    with each image's run of tokens collapsed to one placeholder, its images in order; the
+    scripted outputs come back as (new ids up to the stop token, their log-probs, truncated)."""
+    cfg = load_config(overrides=["model.dtype=float32", "rollout.vllm_max_images=3"])
+    engine = VLLMRolloutEngine.from_policy(saved_policy, cfg)
+    (llm,) = fake_vllm
+    assert llm.kwargs["limit_mm_per_prompt"] == {"image": 3}
+    processor, stop = saved_policy.processor, saved_policy.stop_token_ids[0]
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    ids, images, unexpanded = _rows(processor)
+    llm.reply = [  # by the order the requests are added; vLLM finishes them out of order
+        RequestOutput([Completion(0, [40, stop], [{40: Logprob(-1.0), 41: Logprob(-4.0)}, {stop: Logprob(-0.5)}],
+                                  "stop", stop)], ids[0]),
+        RequestOutput([Completion(0, [41, 42, 43], [{41: Logprob(-0.125)}, {42: Logprob(-0.25)}, {43: Logprob(-0.375)}],
+                                  "length")], ids[1]),
+        RequestOutput([Completion(0, [stop], [{stop: Logprob(-0.0625)}], "stop", stop)], None),
+    ]  # fmt: skip
+    out = engine.continue_rows(ids, images, SamplingParams(n=4, temperature=0.7, max_new_tokens=3))
+    assert out == [
+        ([40, stop], [-1.0, -0.5], False),
+        ([41, 42, 43], [-0.125, -0.25, -0.375], True),  # (float32: exact in binary)
+        ([stop], [-0.0625], False),
+    ]
+    prompts = [p for p, _, _ in llm.requests]
+    for prompt, row, row_images, want in zip(prompts, ids, images, unexpanded):
+        assert isinstance(prompt, TokensPrompt)
+        assert prompt["prompt_token_ids"] == want  # the template text's ids: one placeholder an image
+        assert row.count(pad) == 16 * len(row_images)  # (what vLLM would get without the collapse)
+        assert prompt["prompt_token_ids"].count(pad) == len(row_images)
+        if row_images:
+            assert set(prompt) == {"prompt_token_ids", "multi_modal_data"}
+            assert prompt["multi_modal_data"]["image"] == row_images  # the same images, in order
+            assert all(a is b for a, b in zip(prompt["multi_modal_data"]["image"], row_images))
+        else:
+            assert set(prompt) == {"prompt_token_ids"}
+    sampling = llm.requests[0][1]
+    assert (sampling.n, sampling.temperature, sampling.max_tokens, sampling.logprobs) == (1, 0.7, 3, 0)
+    assert sampling.stop_token_ids == saved_policy.stop_token_ids
+    assert _kinds(llm.events) == ["add_request"] * 3 + ["step"] * 3 + ["sleep"]  # (vLLM starts awake)
+    # vLLM must have expanded the images to the row's own ids (the trainer scores those).
+    llm.reply[0].prompt_token_ids = ids[0][:-1]
+    with pytest.raises(ValueError, match="row 0: vLLM expanded the images to a prompt of"):
+        engine.continue_rows(ids, images, SamplingParams(max_new_tokens=3))
+
+
+def test_continue_rows_refuses_a_row_over_the_image_limit_before_vllm_sees_it(saved_policy, fake_vllm):
+    cfg = load_config(overrides=["model.dtype=float32", "rollout.vllm_max_images=2"])
+    engine = VLLMRolloutEngine.from_policy(saved_policy, cfg)
+    (llm,) = fake_vllm
+    ids, images, _ = _rows(saved_policy.processor)
+    llm.events.clear()
+    with pytest.raises(ValueError, match=r"row 0 holds 3 images, rollout\.vllm_max_images is 2"):
+        engine.continue_rows(ids, images, SamplingParams(max_new_tokens=3))
+    assert llm.requests == [] and llm.events == []  # nothing woke, nothing was sent
+
+
+def test_continue_rows_under_the_stand_in_is_the_hf_engines_greedy_turn(saved_policy, fake_vllm):
+    """Unscripted, the stand-in decodes the collapsed ids, lets the HF processor expand them with
+    the images (as vLLM's multimodal processor does) and generates; greedy, each row's turn is
+    the HF engine's `continue_rows` for the same ids, and vLLM's expanded prompt is the row's."""
+    engine = VLLMRolloutEngine.from_policy(saved_policy, load_config(overrides=["model.dtype=float32"]))
+    hf = HFRolloutEngine.from_policy(saved_policy)
+    ids, images, _ = _rows(saved_policy.processor)
+    params = SamplingParams(greedy=True, max_new_tokens=4)
+    for row, row_images in zip(ids, images):  # one row at a time: no padding between the two
+        (ours,) = engine.continue_rows([row], [row_images], params)
+        (theirs,) = hf.continue_rows([row], [row_images], params)
+        assert ours == theirs and len(ours[0]) >= 1 and ours[1] == [0.0] * len(ours[0])
+
+
+# ---------------------------------------------------------------------------------------------
 # rollout.engine=vllm in the synchronous loop
 # ---------------------------------------------------------------------------------------------
 

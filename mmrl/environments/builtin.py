@@ -18,9 +18,11 @@ from mmrl.environments.tools import Observation, ToolArgumentError, ToolContext,
 ZOOM_MIN_SIDE = 28
 """A crop's shorter side is enlarged to at least this many pixels (veRL's image zoom-in tool's
 `MIN_DIMENSION`: Qwen2-VL's patch merger needs 28x28 pixels per visual token)."""
-ZOOM_OUTPUT_SIDE: int | None = 64
-"""A crop is resized, aspect kept, to this longer side (the tiny built-in VLM reads 64x64 images;
-a real model's processor takes larger ones). None: keep the crop's size (only the min side)."""
+ZOOM_OUTPUT_SIDE: int | None = None
+"""If set, a crop is resized, aspect kept, to this longer side. None (the default, as veRL's):
+the crop keeps its pixels, only its shorter side is raised to ZOOM_MIN_SIDE; the model's own
+processor then resizes it as it resizes any image (a real Qwen2-VL keeps up to ~1 megapixel, the
+tiny built-in one makes every image 64x64), so a zoom never throws detail away."""
 
 
 def _pick_image(context: ToolContext, image_index: int) -> tuple[int, Image.Image]:

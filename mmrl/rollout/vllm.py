@@ -13,7 +13,14 @@ without vLLM):
                    what mmrl's auto is on a GPU), `rollout.vllm_tensor_parallel_size` GPUs
     prompts        `vllm_prompts`: `TokensPrompt`s of the policy processor's chat template (the
                    text the HF engine feeds, tokenized, one placeholder per image), with the
-                   sample's PIL images as `multi_modal_data`
+                   sample's PIL images as `multi_modal_data`; at most `rollout.vllm_max_images`
+                   images per prompt (vLLM's `limit_mm_per_prompt`)
+    multi-turn     `continue_rows` (what `mmrl.rollout.multiturn` calls for every turn after the
+                   first): each row's token ids so far, image tokens expanded as the HF processor
+                   expands them, with every image run collapsed back to one placeholder
+                   (`collapse_image_tokens`, `continuation_prompts`) for vLLM to expand again;
+                   one completion per row (`continuation_results`), the prompt vLLM expanded
+                   checked equal to the row's ids
     sampling       `vllm_sampling_kwargs`: n, temperature, max tokens, the sampled token's
                    log-prob (`logprobs=0`), the policy's stop ids, and the blocked ids left out
                    (`allowed_token_ids`); the engine is built with
@@ -65,7 +72,7 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,8 +133,8 @@ def vllm_prompts(
     for s in samples:
         if len(s.images) > max_images:
             raise ValueError(
-                f"sample {s.id!r} has {len(s.images)} images; the vLLM engine was built for at most "
-                f"{max_images} per prompt (VLLMRolloutEngine(max_images=...))"
+                f"sample {s.id!r} has {len(s.images)} images; the vLLM engine takes at most "
+                f"{max_images} per prompt (rollout.vllm_max_images)"
             )
         ids = processor.tokenizer(prompt_text(processor, s))["input_ids"]
         prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
@@ -135,6 +142,99 @@ def vllm_prompts(
             prompt["multi_modal_data"] = {"image": s.pil_images()}
         prompts.append(prompt)
     return prompts
+
+
+def image_token_id(processor: ProcessorMixin) -> int:
+    """The id of the processor's image placeholder (Qwen-VL's `<|image_pad|>`), the token the HF
+    processor repeats once per image patch group and vLLM expands from one."""
+    found = getattr(processor, "image_token_id", None)
+    if found is None:
+        token = getattr(processor, "image_token", None) or "<|image_pad|>"
+        found = processor.tokenizer.convert_tokens_to_ids(token)
+    if found is None or found == getattr(processor.tokenizer, "unk_token_id", None):
+        raise ValueError(f"{type(processor).__name__} names no image token id")
+    return int(found)
+
+
+def collapse_image_tokens(ids: list[int], image_token_id: int, n_images: int) -> list[int]:
+    """`ids` with each run of consecutive image placeholder ids (one image's expanded tokens,
+    between `<|vision_start|>` and `<|vision_end|>`) cut to one placeholder: the ids as the
+    tokenizer reads the unexpanded template text (what `vllm_prompts` sends), which vLLM's
+    multimodal processor expands again from the images. Raises ValueError unless there are
+    exactly `n_images` runs."""
+    out: list[int] = []
+    runs = 0
+    previous = None
+    for token in ids:
+        if token == image_token_id:
+            if previous == image_token_id:
+                continue
+            runs += 1
+        out.append(token)
+        previous = token
+    if runs != n_images:
+        raise ValueError(
+            f"image tokens and images out of step: {runs} runs of image token {image_token_id} "
+            f"in the ids, {n_images} images"
+        )
+    return out
+
+
+def continuation_prompts(
+    ids: Sequence[Sequence[int]], images: Sequence[Sequence[Any]], image_token: int, max_images: int
+) -> list[dict[str, Any]]:
+    """The fields of vLLM `TokensPrompt`s for the next turn of multi-turn rows: each row's ids so
+    far (image tokens expanded, as `continue_rows` gets them) collapsed to one placeholder per
+    image (`collapse_image_tokens`), with the row's images, in order, as `multi_modal_data`
+    (none for a row without images). A row with more than `max_images` images is an error
+    before anything reaches vLLM."""
+    if len(ids) != len(images):
+        raise ValueError(f"{len(ids)} rows of ids but {len(images)} rows of images")
+    prompts = []
+    for r, (row, row_images) in enumerate(zip(ids, images)):
+        if len(row_images) > max_images:
+            raise ValueError(
+                f"row {r} holds {len(row_images)} images, rollout.vllm_max_images is {max_images} "
+                "(vLLM's limit_mm_per_prompt: the prompt's and the observations' images together)"
+            )
+        try:
+            collapsed = collapse_image_tokens(list(row), image_token, len(row_images))
+        except ValueError as exc:
+            raise ValueError(f"row {r}: {exc}") from None
+        prompt: dict[str, Any] = {"prompt_token_ids": collapsed}
+        if row_images:
+            prompt["multi_modal_data"] = {"image": list(row_images)}
+        prompts.append(prompt)
+    return prompts
+
+
+def continuation_results(
+    outputs: Sequence[Any],
+    ids: Sequence[Sequence[int]],
+    stop_token_ids: list[int],
+    pad_token_id: int,
+    greedy: bool,
+) -> list[tuple[list[int], list[float], bool]]:
+    """`continue_rows`' answer from vLLM's outputs (one completion per row): per row the new ids
+    up to and including the stop token, their log-probs (`completion_tensors`: the sampled
+    id's; 0.0 when greedy), and whether the turn ended without a stop token (its length
+    limit). The prompt vLLM expanded must be the row's ids, the tokens the trainer scores."""
+    if len(outputs) != len(ids):
+        raise ValueError(f"vLLM returned {len(outputs)} outputs for {len(ids)} rows")
+    for r, (out, row) in enumerate(zip(outputs, ids)):
+        seen = getattr(out, "prompt_token_ids", None)
+        if seen is not None and list(seen) != list(row):
+            raise ValueError(
+                f"row {r}: vLLM expanded the images to a prompt of {len(seen)} tokens, the row has "
+                f"{len(row)}; the trainer would score the turn after another sequence (check the "
+                "image processor settings of the model folder)"
+            )
+    response, mask, logprobs, truncated = completion_tensors(outputs, 1, stop_token_ids, pad_token_id, greedy)
+    results = []
+    for r in range(response.shape[0]):
+        keep = mask[r].bool()
+        results.append((response[r][keep].tolist(), logprobs[r][keep].tolist(), bool(truncated[r])))
+    return results
 
 
 def allowed_token_ids(blocked: torch.Tensor, vocab_size: int) -> list[int]:
@@ -594,7 +694,7 @@ def weight_buckets(
 
 class VLLMRolloutEngine:
     """Generates G responses per prompt with vLLM, recording per-token log-probs (HF engine
-    interface: `generate`, `load_weights`, `sleep`, `wake`)."""
+    interface: `generate`, `continue_rows`, `load_weights`, `sleep`, `wake`)."""
 
     def __init__(
         self,
@@ -609,7 +709,7 @@ class VLLMRolloutEngine:
         lora_sync: str = "auto",
         gpu_memory_utilization: float = 0.5,
         sleep_level: int = 1,
-        max_images: int = 4,
+        max_images: int = 8,
         seed: int = 0,
         dtype: str = "auto",
         revision: str | None = None,
@@ -633,6 +733,8 @@ class VLLMRolloutEngine:
         if tensor_parallel_size < 1:
             raise ValueError(f"rollout.vllm_tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         self.sleep_level = sleep_level
+        if max_images < 1:
+            raise ValueError(f"rollout.vllm_max_images must be >= 1, got {max_images}")
         self.max_images = max_images
         self.dtype_name = vllm_dtype(dtype)
         self.dtype = DTYPES[self.dtype_name]
@@ -717,6 +819,7 @@ class VLLMRolloutEngine:
             dtype=cfg.model.dtype,
             revision=cfg.model.revision,
             tensor_parallel_size=r.vllm_tensor_parallel_size,
+            max_images=r.vllm_max_images,
             weight_sync=r.vllm_weight_sync,
             **overrides,
         )
@@ -936,27 +1039,11 @@ class VLLMRolloutEngine:
         finishes that prompt's request, while the other prompts are still being generated.
         """
         vllm = import_vllm()
-        from vllm.sampling_params import RequestOutputKind
-
-        if self._weights_lost:  # level-2 sleep and no sync since: send the last weights again
-            if self._last_sync is None:
-                raise RuntimeError(
-                    "vLLM slept at level 2 (weights dropped) before any weights were loaded: call "
-                    "load_weights first, or use rollout.vllm_sleep_level=1"
-                )
-            self.wake(["weights"])
-            for bucket in self._last_sync:
-                self._push(bucket)
-            self._weights_lost = False
-            self._after_sync()
-        self.wake()
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(**p) for p in vllm_prompts(self.processor, samples, self.max_images)]
-        sampling = vllm.SamplingParams(
-            **vllm_sampling_kwargs(params, self.stop_token_ids, self.allowed),
-            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, once it is done
-        )
+        sampling = self._sampling(vllm, params)
+        self._ready()
         G, n = params.n, 1 if params.greedy else params.n
 
         def finished(i: int, output: Any) -> None:
@@ -976,6 +1063,59 @@ class VLLMRolloutEngine:
         return rollout_from_vllm(
             outputs, samples, self.processor, params.n, self.stop_token_ids, self.pad_token_id, params.greedy
         )
+
+    def continue_rows(
+        self, ids: list[list[int]], images: list[list], params: SamplingParams
+    ) -> list[tuple[list[int], list[float], bool]]:
+        """The next turn of multi-turn trajectories (`mmrl.rollout.multiturn`), the HF engine's
+        contract: each row's whole sequence so far as token ids (image tokens expanded as the HF
+        processor expands them) and every image it holds, in order; one response per row.
+        Returns per row the new token ids (stop token included), their log-probs (0 when
+        greedy), and whether the turn hit `params.max_new_tokens` without a stop token.
+
+        vLLM expands each image placeholder itself, so each image's run of tokens goes to it as
+        one placeholder (`continuation_prompts`). Like `generate`, it wakes the engine and puts it
+        back to sleep after the turn."""
+        vllm = import_vllm()
+        from vllm.inputs import TokensPrompt
+
+        if not ids:
+            return []
+        prompts = [
+            TokensPrompt(**p)
+            for p in continuation_prompts(ids, images, image_token_id(self.processor), self.max_images)
+        ]
+        sampling = self._sampling(vllm, replace(params, n=1))
+        self._ready()
+        try:
+            outputs = self._run(prompts, sampling, lambda i, output: None)
+        finally:
+            self.sleep()
+        return continuation_results(outputs, ids, self.stop_token_ids, self.pad_token_id, params.greedy)
+
+    def _sampling(self, vllm: Any, params: SamplingParams) -> Any:
+        """vLLM's `SamplingParams` for mmrl's, one output per request once it is done."""
+        from vllm.sampling_params import RequestOutputKind
+
+        return vllm.SamplingParams(
+            **vllm_sampling_kwargs(params, self.stop_token_ids, self.allowed),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def _ready(self) -> None:
+        """Weights in place and the engine awake, before requests go in."""
+        if self._weights_lost:  # level-2 sleep and no sync since: send the last weights again
+            if self._last_sync is None:
+                raise RuntimeError(
+                    "vLLM slept at level 2 (weights dropped) before any weights were loaded: call "
+                    "load_weights first, or use rollout.vllm_sleep_level=1"
+                )
+            self.wake(["weights"])
+            for bucket in self._last_sync:
+                self._push(bucket)
+            self._weights_lost = False
+            self._after_sync()
+        self.wake()
 
     def _run(
         self, prompts: list[dict[str, Any]], sampling: Any, finished: Callable[[int, Any], None]
