@@ -27,6 +27,8 @@ class Drawn:
     verifier_params: dict[str, Any] = field(default_factory=dict)
     ability: str = "math"
     details: dict[str, Any] = field(default_factory=dict)
+    agent: dict[str, Any] | None = None
+    """The sample's tools and limits (its `agent` field), for kinds that need a tool."""
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ import hashlib
 import numpy as np
 from PIL import Image
 
-from mmrl.datasets import perception, vision_reasoning  # noqa: F401 - the built-in kinds register
+from mmrl.datasets import perception, vision_reasoning, visual_search  # noqa: F401 - the built-in kinds register
 from mmrl.datasets.kinds import Drawn, Kind, register_kind, registered_kinds
-from mmrl.types import RewardSpec, Sample
+from mmrl.types import AgentSpec, RewardSpec, Sample
 
 __all__ = [
     "SPLITS",
@@ -72,6 +72,7 @@ def make_samples(
                     "demonstration": drawn.reference,  # a reference solution (`algo.demo_loss`)
                     **drawn.details,
                 },
+                agent=AgentSpec(**drawn.agent) if drawn.agent is not None else None,
             )
         )
     return samples

@@ -97,18 +97,12 @@ def generate_trajectories(
     `params.max_new_tokens` bounds each model turn, `agent` (and each sample's own `agent`
     field) the trajectory. `on_response(row, final_text)` is called as each trajectory ends, so
     its verifier can start while the others go on."""
-    from mmrl.environments import ToolLimits
-
     if not uses_tools(samples) or getattr(engine, "runs_trajectories", False):
         return engine.generate(samples, params, on_response=on_response)  # (Ray: each worker loops)
     processor = engine.processor
     first = engine.generate(samples, params)  # turn 1: the single-turn path, prompts shared
     rows = [_start_row(first, r, agent) for r in range(len(first))]
-    limits = ToolLimits(
-        timeout_s=agent.tool_timeout_s,
-        max_text_chars=agent.max_tool_text_chars,
-        max_calls_per_turn=agent.max_calls_per_turn,
-    )
+    limits = _limits(agent)
     for r, row in enumerate(rows):
         seg = first.response_mask[r].bool()
         row.add_turn(
@@ -438,3 +432,58 @@ def tokenization_drift(batch: RolloutBatch, processor: Any) -> dict[str, float]:
         "agent/tokenization_drift_rows": sum(d > 0 for d in drifts) / len(drifts),
         "time/tokenization_check_s": time.perf_counter() - start,
     }
+
+
+# -- demonstrations -----------------------------------------------------------------------------
+
+
+def demonstration_batch(
+    processor: Any,
+    samples: list[Sample],
+    turns: list[list[str]],
+    stop_token_id: int,
+    pad_token_id: int,
+    agent: AgentConfig | None = None,
+) -> RolloutBatch:
+    """Teacher-forced trajectories (a supervised cold start's batch): per sample the model turns
+    to force, `turns[i]`. Each turn is tokenized alone with the stop token appended; the calls of
+    every turn but the last really run, and their observations are appended as in a rollout, so
+    the batch is laid out exactly as the loop would lay out the same turns. A one-turn row is a
+    single-turn demonstration. Log-probs are 0."""
+    from mmrl.environments import parse_tool_calls
+    from mmrl.rollout.hf import encode_prompts, prompt_batch
+
+    agent = agent or AgentConfig()
+    inputs = encode_prompts(processor, samples)
+    first = prompt_batch(samples, inputs, processor)
+    limits = _limits(agent)
+    rows = [_start_row(first, r, agent) for r in range(len(samples))]
+    tokenizer = processor.tokenizer
+    depth = max(len(t) for t in turns)
+    for k in range(depth):
+        for row, texts in zip(rows, turns):
+            if k < len(texts):
+                ids = tokenizer(texts[k], add_special_tokens=False)["input_ids"] + [stop_token_id]
+                row.add_turn(ids, [0.0] * len(ids), texts[k])
+                row.info.turns = k + 1
+        pending = [
+            (r, parse_tool_calls(texts[k], agent.call_format))
+            for r, texts in enumerate(turns)
+            if k + 1 < len(texts)
+        ]
+        for (r, calls), obs in zip(pending, _run_tools(rows, pending, limits) if pending else []):
+            ids, images, messages = observation_tokens(processor, calls, obs, agent.call_format)
+            rows[r].add_observation(ids, images, messages)
+    for row in rows:
+        row.end("answer")
+    return assemble(first, rows, processor, pad_token_id, agent)
+
+
+def _limits(agent: AgentConfig) -> Any:
+    from mmrl.environments import ToolLimits
+
+    return ToolLimits(
+        timeout_s=agent.tool_timeout_s,
+        max_text_chars=agent.max_tool_text_chars,
+        max_calls_per_turn=agent.max_calls_per_turn,
+    )
