@@ -6,8 +6,8 @@ import numpy as np
 import torch
 
 from mmrl.datasets.procedural import image_digest, make_samples
-from mmrl.datasets.visual_search import SCALE, quarter_box, without_tools
 from mmrl.datasets.vision_reasoning import COLOURS
+from mmrl.datasets.visual_search import SCALE, quarter_box, without_tools
 from mmrl.environments import parse_tool_calls
 from mmrl.rollout.multiturn import demonstration_batch
 from mmrl.train.forward import response_logprobs
