@@ -97,7 +97,10 @@ def _visual_search(rng: np.random.Generator, size: int) -> Drawn:
 
 
 def without_tools(sample: Sample) -> Sample:
-    """The same sample with no tools: the tool sentence dropped from the question (the model
-    answers directly, from the whole image at its input resolution)."""
+    """The same sample with no tools: for this task's samples, the tool sentence dropped from
+    the question too (the model answers directly, from the whole image at its input size);
+    any other sample keeps its prompt."""
+    if "question_without_tools" not in sample.extra_info:
+        return dataclasses.replace(sample, agent=None)
     text = IMAGE_PLACEHOLDER + sample.extra_info["question_without_tools"]
     return dataclasses.replace(sample, prompt=[{"role": "user", "content": text}], agent=None)

@@ -59,6 +59,10 @@ class WarmupConfig:
     """... on this many evaluations in a row (one lucky evaluation is not enough: measured)."""
     seed: int = 0
     """Seed of the random initialisation and of the warm-up data order."""
+    direct_fraction: float = 0.3
+    """Tool tasks (`visual_search`): the share of the cold start's demonstrations that answer
+    directly, with the tools switched off, so that the base can also be measured without tools;
+    the rest are tool-use demonstrations (a call, its observation, then the answer)."""
 
 
 @dataclass
@@ -565,6 +569,9 @@ class TrainerConfig:
     `trainer.val_before_train`. Off: training starts at once and the run's start accuracy is
     unknown (NaN, and the last line says so): for several runs from one starting point whose
     evaluation is known already."""
+    eval_without_tools: bool = False
+    """Tool tasks: the first and last held-out evaluations also run with the tools switched off
+    (`eval_no_tools/...` metrics), to show what the tool is worth."""
     eval_size: int = 512
     """Held-out samples per evaluation (0: all)."""
     seed: int = 0

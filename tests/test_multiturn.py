@@ -265,3 +265,21 @@ def test_the_tokenization_check_finds_drift_exactly_where_a_turn_decodes_lossily
         lossless.append(tok.encode("".join(batch.trajectories[r].turn_texts)) == ids)
     assert any(lossless) and not all(lossless)  # both kinds in the batch (seeded)
     assert [d == 0 for d in drifts] == lossless
+
+
+def test_the_last_line_carries_the_tool_figures():
+    from pathlib import Path
+
+    from mmrl.train.grpo import TrainResult
+
+    result = TrainResult(
+        run_dir=Path("runs/x"), start_accuracy=0.4, final_accuracy=0.6, best_accuracy=0.6, steps=10,
+        seconds=5.0, start_interval=(0.35, 0.45), final_interval=(0.55, 0.65), eval_size=256,
+        tools={"start_tool_call_rate": 0.9, "final_tool_call_rate": 1.0, "start_no_tools": 0.17,
+               "start_no_tools_low": 0.13, "start_no_tools_high": 0.22, "final_no_tools": 0.18,
+               "final_no_tools_low": 0.14, "final_no_tools_high": 0.23},
+    )  # fmt: skip
+    line = result.summary_line()
+    assert "0.400 [0.350-0.450] -> 0.600 [0.550-0.650] (+20.0 points; 256 prompts each" in line
+    assert "tool-call rate 0.900 -> 1.000" in line
+    assert "with the tools off 0.170 [0.130-0.220] -> 0.180 [0.140-0.230]" in line

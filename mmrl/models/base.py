@@ -46,13 +46,22 @@ def base_key(cfg: Config) -> str:
     spec = {
         "version": BASE_FORMAT_VERSION,
         "tiny": asdict(cfg.model.tiny),
-        "warmup": asdict(cfg.model.warmup),
+        "warmup": _warmup_key(cfg),
         "task": cfg.data.task,
         "kinds": list(cfg.data.kinds),
         "image_size": cfg.data.image_size,
         "data_seed": cfg.data.seed,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _warmup_key(cfg: Config) -> dict:
+    """The warm-up settings that determine the base: `direct_fraction` only for tool tasks (so
+    the other tasks' bases keep the keys, and the caches, they had before it existed)."""
+    warm = asdict(cfg.model.warmup)
+    if "visual_search" not in cfg.data.kinds:
+        warm.pop("direct_fraction")
+    return warm
 
 
 def builtin_base(cfg: Config) -> Path:
@@ -97,6 +106,31 @@ def teacher_forced_batch(policy: Policy, samples: list[Sample], targets: list[st
         truncated=torch.zeros(len(ids), dtype=torch.bool),
         images_per_row=images_per_row,
         vision_layout=vision_layout(policy.processor, inputs, images_per_row),
+    )
+
+
+def _demonstrations(
+    cfg: Config, policy: Policy, samples: list[Sample], rng: np.random.Generator
+) -> RolloutBatch:
+    """One warm-up batch: each sample's reference answer, teacher-forced. Samples with a tool
+    demonstration (`visual_search`) get a supervised cold start (Mini-o3, Chain-of-Focus): the
+    whole trajectory (the call, the tool's real observation, the answer), except a share
+    `model.warmup.direct_fraction` that answer directly with the tools switched off."""
+    if not any("tool_demonstration" in s.extra_info for s in samples):
+        return teacher_forced_batch(policy, samples, [reference_response(s) for s in samples])
+    from mmrl.datasets.visual_search import without_tools
+    from mmrl.rollout.multiturn import demonstration_batch
+
+    rows, turns = [], []
+    for s in samples:
+        if "tool_demonstration" in s.extra_info and rng.random() >= cfg.model.warmup.direct_fraction:
+            rows.append(s)
+            turns.append(list(s.extra_info["tool_demonstration"]))
+        else:
+            rows.append(without_tools(s) if "tool_demonstration" in s.extra_info else s)
+            turns.append([reference_response(s)])
+    return demonstration_batch(
+        policy.processor, rows, turns, policy.stop_token_ids[0], policy.pad_token_id, cfg.agent
     )
 
 
@@ -155,8 +189,7 @@ def _warm_up_steps(
             order, cursor = rng.permutation(len(train)), 0
         batch_samples = [train[i] for i in order[cursor : cursor + wcfg.batch_size]]
         cursor += wcfg.batch_size
-        targets = [reference_response(s) for s in batch_samples]
-        batch = teacher_forced_batch(policy, batch_samples, targets)
+        batch = _demonstrations(cfg, policy, batch_samples, rng)
         model.train()
         logprobs, _ = response_logprobs(model, batch, policy.blocked, temperature=1.0)
         loss = -logprobs.sum() / batch.response_mask.sum()
@@ -165,7 +198,9 @@ def _warm_up_steps(
         optimizer.step()
         bar.update(1)
         if step % wcfg.eval_every == 0:
-            acc = evaluate(engine, router, validation, cfg.rollout.max_new_tokens)["eval/accuracy"]
+            acc = evaluate(engine, router, validation, cfg.rollout.max_new_tokens, agent=cfg.agent)[
+                "eval/accuracy"
+            ]
             history.append({"step": step, "loss": loss.item(), "accuracy": acc})
             level = logging.INFO if bar.disable else logging.DEBUG  # the bar shows them otherwise
             log.log(level, "warm-up step %d: loss %.3f, validation accuracy %.3f", step, loss.item(), acc)

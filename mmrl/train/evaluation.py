@@ -38,12 +38,14 @@ def evaluate(
     samples: list[Sample],
     max_new_tokens: int,
     context: VerifyContext | None = None,
+    agent: AgentConfig | None = None,
 ) -> dict[str, float]:
     """Greedy-decode every sample once and score it. Returns `eval/...` metrics.
 
     Accuracy is the verifier's `accuracy` component (the final score where a verifier has none).
+    Samples that name tools run the multi-turn loop with `agent`.
     """
-    return run_evaluation(engine, router, samples, max_new_tokens, context).metrics
+    return run_evaluation(engine, router, samples, max_new_tokens, context, agent=agent).metrics
 
 
 def run_evaluation(

@@ -112,6 +112,10 @@ class TrainResult:
     """95% interval of `final_accuracy`."""
     eval_size: int = 0
     """Held-out prompts of each evaluation."""
+    tools: dict[str, float] = field(default_factory=dict)
+    """Tool tasks: the tool-call rate of the first and last evaluations (`start_tool_call_rate`,
+    `final_tool_call_rate`) and, with `trainer.eval_without_tools`, the accuracy with the tools
+    switched off and its interval (`start_no_tools`, `..._low`, `..._high`, and `final_...`)."""
 
     def summary_line(self) -> str:
         """The line `mmrl train` ends with: both accuracies with their intervals and the size."""
@@ -129,8 +133,21 @@ class TrainResult:
         return (
             f"done in {self.seconds:.0f}s: greedy held-out accuracy {figure(self.start_accuracy, self.start_interval)}"
             f" -> {figure(self.final_accuracy, self.final_interval)} ({gain:+.1f} points; {self.eval_size} prompts "
-            f"each, 95% intervals); run directory {self.run_dir}"
+            f"each, 95% intervals){self._tool_figures()}; run directory {self.run_dir}"
         )
+
+    def _tool_figures(self) -> str:
+        t = self.tools
+        out = ""
+        if "start_tool_call_rate" in t:
+            out += f"; tool-call rate {t['start_tool_call_rate']:.3f} -> {t.get('final_tool_call_rate', float('nan')):.3f}"
+        if "start_no_tools" in t:
+            out += (
+                f"; with the tools off {t['start_no_tools']:.3f} [{t['start_no_tools_low']:.3f}-"
+                f"{t['start_no_tools_high']:.3f}] -> {t.get('final_no_tools', float('nan')):.3f} "
+                f"[{t.get('final_no_tools_low', float('nan')):.3f}-{t.get('final_no_tools_high', float('nan')):.3f}]"
+            )
+        return out
 
     """Stopped early by SIGINT / SIGTERM (a checkpoint was written)."""
 
@@ -288,6 +305,7 @@ def _train_holding(
         raise
     total = cfg.trainer.total_steps
     stop = StopRequest()
+    tool_figures: dict[str, float] = {}  # (TrainResult.tools)
 
     def run_eval(step: int) -> float:
         # A stop asked during an evaluation ends it between two responses (EvaluationInterrupted).
@@ -299,6 +317,18 @@ def _train_holding(
         )  # fmt: skip
         metrics = evaluation.metrics
         tr = cfg.trainer
+        if tr.eval_without_tools and (step == 0 or step == total) and any(s.agent for s in heldout):
+            # The same held-out prompts with the tools switched off, side by side (the task's
+            # own tool-free wording where it has one: `mmrl.datasets.visual_search.without_tools`).
+            from mmrl.datasets.visual_search import without_tools
+
+            plain = run_evaluation(
+                t.engine, t.router, [without_tools(s) for s in heldout], cfg.rollout.max_new_tokens,
+                VerifyContext(step, total), agent=cfg.agent,
+            ).metrics  # fmt: skip
+            metrics.update({f"eval_no_tools/{k.removeprefix('eval/')}": v for k, v in plain.items()})
+            log.info("step %d: held-out accuracy without tools %.3f [%.3f-%.3f]", step, plain["eval/accuracy"],
+                     plain["eval/accuracy_low"], plain["eval/accuracy_high"])  # fmt: skip
         if tr.eval_suite and (step % tr.eval_suite_every == 0 or step == total):
             from mmrl.eval.runner import evaluate_suite
 
@@ -309,6 +339,12 @@ def _train_holding(
         log.info("step %d: greedy held-out accuracy %.3f [%.3f-%.3f] (%d prompts)", step, metrics["eval/accuracy"],
                  metrics["eval/accuracy_low"], metrics["eval/accuracy_high"], metrics["eval/n"])  # fmt: skip
         interval = [metrics["eval/accuracy_low"], metrics["eval/accuracy_high"]]
+        when = "start" if step == 0 else "final"
+        if "eval/agent/tool_call_rate" in metrics:
+            tool_figures[f"{when}_tool_call_rate"] = metrics["eval/agent/tool_call_rate"]
+        if "eval_no_tools/accuracy" in metrics:
+            for key in ("", "_low", "_high"):
+                tool_figures[f"{when}_no_tools{key}"] = metrics[f"eval_no_tools/accuracy{key}"]
         if step == 0:
             progress.start_interval = interval
         progress.final_interval, progress.eval_size = interval, int(metrics["eval/n"])
@@ -369,6 +405,7 @@ def _train_holding(
         eval_size=progress.eval_size,
         seconds=time.monotonic() - t_start,
         interrupted=stop.requested,
+        tools=tool_figures,
     )
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in result.__dict__.items()}
     summary["model_path"] = str(model_path)
