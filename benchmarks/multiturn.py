@@ -2,7 +2,7 @@
 rollouts of the same length, side by side in one process.
 
     python benchmarks/multiturn.py [--prompts 8] [--group 8] [--rounds 3] [--turns 3]
-                                   [--turn-tokens 32] [--model PATH]
+                                   [--turn-tokens 32] [--model PATH] [--threads 1]
 
 Arms, run interleaved in every round (after one untimed warm-up round), medians over rounds:
 
