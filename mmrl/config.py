@@ -233,6 +233,9 @@ class AgentConfig:
     """Weight of the tools' own rewards (veRL `calc_reward`) in the score."""
     tool_bonus: float = 1.0
     """DeepEyes' tool bonus (`reward=deepeyes`)."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules to import wherever tools run (this process, and each Ray rollout worker) before
+    the first trajectory: they register your tools and call formats (`mmrl.environments`)."""
 
 
 @dataclass

@@ -188,3 +188,70 @@ def test_a_dead_rollout_worker_is_reported_by_name(local_ray, model_dir):
     with pytest.raises(RuntimeError, match="rollout worker mmrl-rollout-1 died"):
         pool.generate(samples, SamplingParams(n=2, max_new_tokens=4))
     ray.kill(workers[0], no_restart=True)
+
+
+def test_tool_samples_train_on_ray_and_in_the_asynchronous_mode_with_the_agent_metrics(
+    local_ray, tmp_path, monkeypatch
+):
+    """`visual_search` samples (they name `zoom_in`) on the Ray backend, their tools run by the
+    rollout workers, and in the local asynchronous mode, its tools run by the generator thread:
+    both finish with every `agent/` metric, overall and per data source. The random model's
+    turns are read as zoom calls (`agent.plugins`: a call format the workers import too), and its
+    stop tokens are every printable byte, so its turns end within a few tokens."""
+    from pathlib import Path
+
+    from mmrl.models.loading import make_policy
+    from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm
+
+    plugins = str(Path(__file__).parent / "plugins")
+    monkeypatch.syspath_prepend(plugins)
+    monkeypatch.setenv("PYTHONPATH", plugins + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    spec, model_dir = TinyVLMSpec(), tmp_path / "model"
+    policy = make_policy(build_tiny_vlm(spec, seed=0), build_processor(spec))
+    policy.model.generation_config.eos_token_id = [policy.stop_token_ids[0], *range(32, 127)]
+    policy.model.save_pretrained(model_dir)
+    policy.processor.save_pretrained(model_dir)
+    common = [
+        "trainer.total_steps=2", "trainer.prompts_per_step=2", "rollout.group_size=2", "trainer.eval_size=4",
+        "trainer.eval_every=2", "trainer.progress=false", "reward.num_workers=1", "rollout.max_new_tokens=8",
+        "data.kinds=[visual_search]", f"model.path={model_dir}", "agent.plugins=[multiturn_formats]",
+        "agent.call_format=plugin_always_zoom", "agent.max_turns=2",
+    ]  # fmt: skip
+    on_ray = train(
+        load_config(
+            "vision_reasoning",
+            overrides=[
+                *common,
+                f"trainer.run_dir={tmp_path / 'ray'}",
+                "trainer.backend=ray",
+                "trainer.rollout_workers=2",
+                "trainer.reward_workers=1",
+                "trainer.ray_cpus_per_actor=0.25",
+            ],
+        )  # fmt: skip
+    )
+    in_async = train(
+        load_config(
+            "vision_reasoning",
+            overrides=[
+                *common,
+                f"trainer.run_dir={tmp_path / 'async'}",
+                "trainer.mode=async",
+                "algo.tis=token",
+            ],
+        )
+    )
+    for result in (on_ray, in_async):
+        assert result.steps == 2 and not result.interrupted
+    steps = {
+        name: [r for r in _records(result.run_dir) if "agent/turns" in r]
+        for name, result in (("ray", on_ray), ("async", in_async))
+    }
+    agent_keys = {
+        name: [sorted(k for k in r if k.startswith("agent/")) for r in recs] for name, recs in steps.items()
+    }
+    assert len(steps["ray"]) == len(steps["async"]) == 2
+    assert agent_keys["ray"] == agent_keys["async"]
+    assert "agent/turns/visual_search/visual_search" in agent_keys["ray"][0]
+    for recs in steps.values():
+        assert all(r["agent/tool_calls"] > 0 and r["agent/observation_tokens"] > 0 for r in recs)

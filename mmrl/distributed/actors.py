@@ -65,6 +65,9 @@ class RolloutWorker:
             policy.model = apply_lora(policy.model, cfg)
         self.engine = make_rollout_engine(cfg, policy)
         self.agent = cfg.agent
+        from mmrl.verifier_pool import import_plugins
+
+        import_plugins(cfg.agent.plugins)  # the run's own tools and call formats, here too
 
     def generate(
         self, samples: list[Sample], params: SamplingParams

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,11 @@ class EagerSteps:
     """Decode steps with the model's forward over the prefill's dynamic cache.
 
     `step(tokens)` feeds `tokens` [n] (one per running slot) and returns the next logits [n, V];
-    `wants(running)` says whether to compact, and `keep(slots)` drops every other slot."""
+    `wants(running)` says whether to compact, and `keep(slots)` drops every other slot.
+
+    With `room` (the steps to come), the cache's layers get buffers with that many columns
+    spare (`GrowingLayer`): a step writes its column in place, where the dynamic cache would
+    copy the whole cache to append it."""
 
     def __init__(
         self,
@@ -112,9 +117,12 @@ class EagerSteps:
         attention_mask: torch.Tensor,
         position: torch.Tensor,
         buckets: list[int],
+        room: int = 0,
     ):
         from mmrl.train.forward import cache_argument
 
+        if room > 0:
+            grow_in_place(cache, room)
         self.model, self.cache, self.buckets = model, cache, buckets
         self.attention_mask = attention_mask  # [n, P + t]
         self.position = position  # [n, 1] or [3, n, 1]: the position of the next token fed
@@ -140,10 +148,87 @@ class EagerSteps:
         """Whether to compact: the running rows fit a smaller bucket than the rows held."""
         return bucket_for(running, self.buckets) < bucket_for(self.attention_mask.shape[0], self.buckets)
 
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the cache's keys and values [slots, heads, columns, dim]: column P + t holds
+        what step t fed (P the prefill's columns)."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
     def keep(self, slots: torch.Tensor) -> None:
         self.cache.reorder_cache(slots)
         self.attention_mask = self.attention_mask[slots]
         self.position = self.position.index_select(-2, slots)
+
+
+def grow_in_place(cache: Any, room: int) -> None:
+    """Turn a dynamic cache's plain layers into `GrowingLayer`s with `room` spare columns
+    (layers of other kinds, a sliding window's, are left as they are)."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
+            cache.layers[i] = GrowingLayer(layer.keys, layer.values, room)
+
+
+class GrowingLayer(DynamicLayer):
+    """A dynamic cache layer whose keys and values are views of buffers with spare columns:
+    `update` writes the new columns in place (reallocating, doubled, only when they are full)
+    where `DynamicLayer` copies the whole cache to append one column."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        super().__init__()
+        n, length = keys.shape[0], keys.shape[2]
+        self._keys = keys.new_empty((n, keys.shape[1], length + room, keys.shape[3]))
+        self._values = values.new_empty((n, values.shape[1], length + room, values.shape[3]))
+        self._keys[:, :, :length].copy_(keys)
+        self._values[:, :, :length].copy_(values)
+        self.length = length
+        self.device, self.is_initialized = keys.device, True
+        self._view()
+
+    def _view(self) -> None:
+        self.keys = self._keys[:, :, : self.length]
+        self.values = self._values[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self._keys.shape[2]:
+            self._keys, self._values = _widened(self._keys, end), _widened(self._values, end)
+        self._keys[:, :, self.length : end].copy_(key_states)
+        self._values[:, :, self.length : end].copy_(value_states)
+        self.length = end
+        self._view()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._keys = self._keys.index_select(0, beam_idx.to(self._keys.device))
+        self._values = self._values.index_select(0, beam_idx.to(self._values.device))
+        self._view()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._keys, self._values = self._keys[indices], self._values[indices]
+        self._view()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._keys = self._keys.repeat_interleave(repeats, dim=0)
+        self._values = self._values.repeat_interleave(repeats, dim=0)
+        self._view()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            super().crop(tokens_to_remove)  # (refuses, as DynamicLayer does)
+        self.length = max(0, self.length + tokens_to_remove)
+        self._view()
+
+    def reset(self) -> None:
+        self.length = 0
+        self._view()
+
+
+def _widened(buffer: torch.Tensor, columns: int) -> torch.Tensor:
+    """`buffer` [n, heads, L, dim] with at least `columns` columns (twice as many, at least)."""
+    spare = max(columns, 2 * buffer.shape[2]) - buffer.shape[2]
+    return torch.cat([buffer, buffer.new_empty((*buffer.shape[:2], spare, buffer.shape[3]))], dim=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,6 +590,11 @@ class StaticSteps:
             for layer, length in zip(bucket.cache.layers, lengths):  # (a capture records; a stand-in runs)
                 layer.cumulative_length.copy_(length)
         log.info("decode step captured for %d rows (cache length %d)", bucket.rows, self.ws.max_len)
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the buffers' keys and values [slots, heads, columns, dim], as `EagerSteps.kv`
+        (the slots in the buffers' first rows; columns past the last step hold stale values)."""
+        return list(zip(self.ws.keys, self.ws.values))
 
     # -- compaction ----------------------------------------------------------------------------
 

@@ -198,12 +198,16 @@ class HFRolloutEngine:
         samples: list[Sample],
         params: SamplingParams,
         on_response: Callable[[int, str], None] | None = None,
+        turns: TurnCache | None = None,
     ) -> RolloutBatch:
         """G = params.n responses per sample; rows are prompt-major ([B x G]).
 
         `on_response(row, text)` is called for each response the moment it is finished (its
         stop token sampled, or at the end for truncated ones), while the other rows are still
         being generated: the trainer starts scoring it right away.
+
+        `turns` (a multi-turn call's `turn_cache()`): each row's key/value cache is kept in it
+        (by row) for its next turn, where the shared-prompt sampler runs.
         """
         from mmrl.models.families import shares_prompts
 
@@ -230,7 +234,7 @@ class HFRolloutEngine:
                 part = units[start : start + step]
                 with self.autocast():
                     if shared:
-                        chunks.append(self._sample_shared(part, params, streamer))
+                        chunks.append(self._sample_shared(part, params, streamer, turns, start * per_unit))
                     else:
                         chunks.append(self._generate_rows(part, params, streamer))
         batch = chunks[0] if len(chunks) == 1 else concat_rollouts(chunks, self.pad_token_id)
@@ -295,36 +299,172 @@ class HFRolloutEngine:
         response = response.masked_fill(response_mask == 0, self.pad_token_id)
         return response, response_mask, logprobs, truncated
 
+    def turn_cache(self) -> TurnCache:
+        """What a multi-turn call (`mmrl.rollout.multiturn`) keeps between its turns: passed to
+        `generate` (the first turn) and every `continue_rows`. Keys and values are kept on models
+        whose decode loop runs here (`shares_prompts`) and whose layers all attend to the whole
+        sequence (a sliding window's cache does not hold it)."""
+        from mmrl.models.families import shares_prompts
+
+        return TurnCache(keep_kv=shares_prompts(self.model) and _full_attention(self.model))
+
     @torch.no_grad()
     def continue_rows(
-        self, ids: list[list[int]], images: list[list], params: SamplingParams
+        self,
+        ids: list[list[int]],
+        images: list[list],
+        params: SamplingParams,
+        turns: TurnCache | None = None,
+        keys: Sequence[int] | None = None,
     ) -> list[tuple[list[int], list[float], bool]]:
         """The next turn of multi-turn trajectories (`mmrl.rollout.multiturn`): each row's whole
         sequence so far as token ids (token-in: prompt, model turns and observations exactly
         as the model saw them, image tokens expanded) and every image it holds, in order; one
         response per row. Returns per row the new token ids (stop token included), their
         log-probs (0 when greedy), and whether the turn hit `params.max_new_tokens` without a
-        stop token. The sequence is prefilled again (no cache is kept across turns)."""
+        stop token.
+
+        On models whose positions mmrl lays out (`shares_prompts`) the turn is a prefill then the
+        engine's own decode loop (`_decode`, as the shared-prompt sampler): positions are the
+        model's own layout over the whole sequence (M-RoPE over every image), then +1 per decoded
+        token. With `turns` (the call's `turn_cache()`) and `keys` (each row's trajectory row),
+        a row whose key/value cache was kept from its last turn prefills only the tokens after
+        it (the observation and its images), and each image goes through the image processor
+        once per call. Otherwise the whole sequence is prefilled, through `generate` on other
+        models."""
+        from mmrl.models.families import shares_prompts
+
         if self.blocked.device != self.device:
             self.blocked = self.blocked.to(self.device)
         out: list[tuple[list[int], list[float], bool]] = []
         step = max(1, self.max_batch_rows)
+        own_loop = shares_prompts(self.model)
         merge = resolve_lora_merge(self.lora_merge, self.device) and self._merged.applies
+        image_cache = turns.images if turns is not None else None
         with self._merged.merged() if merge else contextlib.nullcontext():
             for start in range(0, len(ids), step):
-                inputs = token_inputs(
-                    self.processor, ids[start : start + step], images[start : start + step],
-                    self.pad_token_id, self.device,
-                )  # fmt: skip
+                part_ids, part_images = ids[start : start + step], images[start : start + step]
+                part_keys = list(keys[start : start + step]) if keys is not None else None
                 with self.autocast():
-                    response, mask, logprobs, truncated = self._generate_inputs(inputs, params)
+                    if own_loop:
+                        response, mask, logprobs, truncated = self._continue_shared(
+                            part_ids, part_images, params, turns, part_keys
+                        )
+                    else:
+                        inputs = token_inputs(
+                            self.processor, part_ids, part_images, self.pad_token_id, self.device, image_cache
+                        )
+                        response, mask, logprobs, truncated = self._generate_inputs(inputs, params)
                 for r in range(response.shape[0]):
                     keep = mask[r].bool()
                     out.append((response[r][keep].tolist(), logprobs[r][keep].tolist(), bool(truncated[r])))
         return out
 
+    def _continue_shared(
+        self,
+        ids: list[list[int]],
+        images: list[list],
+        params: SamplingParams,
+        turns: TurnCache | None,
+        keys: list[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One turn of rows given as token ids: a prefill of what each row's kept cache does not
+        hold (everything, without one), then the decode loop. Returns the response ids [N, R]
+        (padding after the stop token), their mask, log-probs and truncated [N]."""
+        from mmrl.train.forward import cache_argument, output_cache
+
+        model = self.model
+        kept: list[_KeptRow | None] = [None] * len(ids)
+        if turns is not None and keys is not None:
+            for r, key in enumerate(keys):
+                entry = turns.rows.pop(key, None)  # (taken: the turn keeps a new one)
+                if (
+                    entry is not None
+                    and len(entry.ids) < len(ids[r])
+                    and entry.images <= len(images[r])
+                    and ids[r][: len(entry.ids)] == entry.ids
+                ):
+                    kept[r] = entry
+        inputs, past = continuation_inputs(
+            self.processor, model, ids, images, kept, self.pad_token_id, self.device,
+            turns.images if turns is not None else None,
+        )  # fmt: skip
+        mask, positions = inputs.pop("attention_mask"), inputs.pop("position_ids")
+        form = self._decode_form()
+        was_training = model.training
+        model.eval()
+        try:
+            with self._weights_for(form):
+                extra = {} if past is None else {cache_argument(model): past}
+                out = model(
+                    **inputs, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1,
+                    **extra,
+                )  # fmt: skip
+                del past, extra
+                logits = out.logits[:, -1]  # [N, V]
+                next_position = positions[..., -1:] + 1  # [N, 1]: text continues by 1
+                cache = output_cache(out)
+                per_position = kv_bytes_per_position(cache)
+                index = torch.arange(len(ids), device=mask.device)
+                steps = self._decode_steps(form, cache, index, mask, next_position, params.max_new_tokens)
+                del out, cache
+                keep = None
+                if turns is not None and turns.keep_kv and keys is not None:
+                    keep = self._keeper(
+                        turns, keys, [list(row) for row in ids], [len(x) for x in images], mask, next_position
+                    )
+                response, logprobs = self._decode(steps, logits, params, None, mask.shape[1], per_position, keep)
+                if getattr(steps, "capture_failed", None):
+                    self.decode = "static"
+                    self._metrics["rollout/decode_captured"] = 0.0
+        finally:
+            model.train(was_training)
+        response_mask, truncated = response_mask_from_stops(response, self.stop_token_ids)
+        logprobs = logprobs.masked_fill(response_mask == 0, 0.0)
+        return response.masked_fill(response_mask == 0, self.pad_token_id), response_mask, logprobs, truncated
+
+    def _keeper(
+        self,
+        turns: TurnCache,
+        keys: Sequence[int],
+        prefixes: list[list[int]],
+        images: list[int],
+        prefill_mask: torch.Tensor,
+        next_position: torch.Tensor,
+    ) -> Callable:
+        """What `_decode` calls for rows leaving the running batch (compacted out, or at the end):
+        each row's keys and values over its real tokens (the prefill's unpadded columns, then
+        the decoded tokens fed up to its stop token) go into `turns`, by `keys[row]`, with
+        those tokens' ids (`prefixes[row]` and the fed ones) and the images they hold."""
+        stop = set(self.stop_token_ids)
+        P = prefill_mask.shape[1]
+        columns = [m.nonzero().squeeze(1) for m in prefill_mask.bool()]
+        first = next_position[..., 0].cpu()  # [N] or [3, N]: the first decoded token's position
+
+        def keep(steps, rows: torch.Tensor, slots: torch.Tensor, fed: int, response: torch.Tensor) -> None:
+            if rows.numel() == 0:
+                return
+            layers = steps.kv()
+            tokens = response[rows, :fed].tolist()
+            for j, (r, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
+                n = next((i + 1 for i, t in enumerate(tokens[j]) if t in stop), fed)
+                cols = torch.cat([columns[r], torch.arange(P, P + n, device=columns[r].device)])
+                turns.rows[keys[r]] = _KeptRow(
+                    ids=prefixes[r] + tokens[j][:n],
+                    images=images[r],
+                    layers=[(k[slot][:, cols], v[slot][:, cols]) for k, v in layers],
+                    last_position=(first[..., r] + n - 1).tolist(),
+                )
+
+        return keep
+
     def _sample_shared(
-        self, samples: list[Sample], params: SamplingParams, streamer: BaseStreamer | None = None
+        self,
+        samples: list[Sample],
+        params: SamplingParams,
+        streamer: BaseStreamer | None = None,
+        turns: TurnCache | None = None,
+        offset: int = 0,
     ) -> RolloutBatch:
         """G = params.n responses per sample, each prompt prefilled once (see the module docs).
 
@@ -357,8 +497,16 @@ class HFRolloutEngine:
                 steps = self._decode_steps(form, cache, index, inputs["attention_mask"], next_position,
                                            params.max_new_tokens)  # fmt: skip
                 del out, cache
+                keep = None
+                if turns is not None and turns.keep_kv:
+                    mask = inputs["attention_mask"]
+                    prompt_ids = [row[m.bool()].tolist() for row, m in zip(inputs["input_ids"], mask)]
+                    keep = self._keeper(
+                        turns, [offset + r for r in range(len(rows))], [prompt_ids[i] for i in rows],
+                        [len(samples[i].images) for i in rows], mask[index], next_position,
+                    )  # fmt: skip
                 response, logprobs = self._decode(
-                    steps, logits, params, streamer, positions.shape[-1], per_position
+                    steps, logits, params, streamer, positions.shape[-1], per_position, keep
                 )
                 if getattr(steps, "capture_failed", None):  # said once, as a warning; not tried again
                     self.decode = "static"
@@ -384,9 +532,13 @@ class HFRolloutEngine:
         streamer: BaseStreamer | None,
         prompt_len: int,
         kv_per_position: int,
+        keep: Callable | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampling loop: response ids [N, R] and their log-probs [N, R] (0 when greedy), R
         the steps run. `steps` holds the running rows' slots; `running[slot]` is the slot's row.
+        `keep(steps, rows, slots, fed, response)` (`_keeper`), if given, is called for rows
+        about to leave the running batch (compacted out, or at the end) while their cache is
+        still there: `fed` steps have fed `response[:, :fed]`.
 
         The noise of the exponential race is drawn for all N rows at every step, so that what a
         row samples does not depend on which rows are still running (or on the decode form)."""
@@ -418,9 +570,14 @@ class HFRolloutEngine:
             live = int(alive.sum())
             if live == 0 or t == R - 1:
                 steps_run = t + 1
+                if keep is not None:
+                    keep(steps, running, torch.arange(running.shape[0], device=device), t, response)
                 break
             if steps.wants(live):
                 slots = alive.nonzero().squeeze(1)
+                if keep is not None:
+                    gone = (~alive).nonzero().squeeze(1)
+                    keep(steps, running[gone], gone, t, response)
                 steps.keep(slots)
                 running, token = running[slots], token[slots]
                 self._metrics["rollout/compactions"] = self._metrics.get("rollout/compactions", 0.0) + 1
@@ -484,7 +641,7 @@ class HFRolloutEngine:
         buckets = dec.decode_buckets(max(self.max_batch_rows, index.shape[0]))
         if form == "eager":
             cache.reorder_cache(index)  # [B] -> [B x G] rows
-            return dec.EagerSteps(self.model, cache, prompt_mask[index], position, buckets)
+            return dec.EagerSteps(self.model, cache, prompt_mask[index], position, buckets, max_new_tokens)
         length = prompt_mask.shape[1] + max_new_tokens
         rows = dec.bucket_for(index.shape[0], buckets)
         ws = self._workspace
@@ -497,6 +654,131 @@ class HFRolloutEngine:
             self._workspace = ws
         capture = self.capture if form == "captured" else None
         return dec.StaticSteps(self.model, ws, cache, index, prompt_mask, position, buckets, capture)
+
+
+@dataclass
+class _KeptRow:
+    """A trajectory's key/value cache kept between its turns (`TurnCache`)."""
+
+    ids: list[int]
+    """The token ids it holds (a prefix of the row's sequence)."""
+    images: int
+    """The images among them (the row's first ones)."""
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer the keys and values [heads, len(ids), dim]."""
+    last_position: int | list[int]
+    """The position of its last token ([3] for M-RoPE). The tokens after it continue from it:
+    a row's positions may be laid out with its left padding counted (text-only batches), which
+    differs between turns; RoPE sees only differences within the row, so continuing from the
+    kept positions keeps them right."""
+
+
+class TurnCache:
+    """What the HF engine keeps of one multi-turn call between its turns (`turn_cache()`): each
+    image's processor output (`images`, an `ImageCache`: every image goes through the image
+    processor once) and, with `keep_kv`, each trajectory's key/value cache over the tokens it
+    has seen (`rows`, by the trajectory's row), so that its next turn prefills only the tokens
+    after them. A row's entry is taken when its next turn starts and kept anew after it;
+    `drop(row)` frees it once the trajectory ends. (The kept caches hold as much memory as the
+    running batch's cache, between turns too.)"""
+
+    def __init__(self, keep_kv: bool = True):
+        self.images: ImageCache = {}
+        self.rows: dict[int, _KeptRow] = {}
+        self.keep_kv = keep_kv
+
+    def drop(self, row: int) -> None:
+        self.rows.pop(row, None)
+
+
+def _full_attention(model: torch.nn.Module) -> bool:
+    """Whether every layer of the model's decoder attends to the whole sequence."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config(decoder=True)
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return kinds == {"full_attention"} and not getattr(config, "use_sliding_window", False)
+
+
+def continuation_inputs(
+    processor: ProcessorMixin,
+    model: torch.nn.Module,
+    ids: list[list[int]],
+    images: list[list],
+    kept: Sequence[_KeptRow | None],
+    pad_token_id: int,
+    device: torch.device,
+    image_cache: ImageCache | None = None,
+) -> tuple[dict[str, torch.Tensor], object | None]:
+    """A continuation's prefill: per row, the tokens after its kept cache (`kept[r]`, or all of
+    them) and the images among them. Returns the model inputs (`input_ids` [N, C] left padded,
+    `attention_mask` [N, K + C] over the kept columns and the new ones, `position_ids`: the
+    model's own layout over each row's whole sequence, sliced to the new tokens; the new
+    images' `pixel_values` and `image_grid_thw`) and the kept caches as one dynamic cache of K
+    columns, each row's right-aligned (None when no row has one)."""
+    from transformers import DynamicCache
+
+    from mmrl.models.families import family_of
+
+    N = len(ids)
+    held = [len(k.ids) if k is not None else 0 for k in kept]
+    first_new = [k.images if k is not None else 0 for k in kept]
+    K = max(held)
+    new = [len(row) - h for row, h in zip(ids, held)]
+    C = max(new)
+    cache = image_cache if image_cache is not None else {}
+    # Positions: the model's own layout over what each row prefills, preceded by the kept
+    # cache's last token (a text token), then moved to continue from that token's kept position.
+    # (The layout goes on from a text token the same way wherever it stands: text +1 per token,
+    # an image from the position after it.) Grids of the images only; no pixels.
+    laid = [row[h - 1 :] if h else row for row, h in zip(ids, held)]
+    S = max(len(row) for row in laid)
+    seqs = torch.full((N, S), pad_token_id, dtype=torch.long)
+    seqs_mask = torch.zeros((N, S), dtype=torch.long)
+    for r, row in enumerate(laid):
+        seqs[r, S - len(row) :] = torch.tensor(row, dtype=torch.long)
+        seqs_mask[r, S - len(row) :] = 1
+    new_images = [row[i:] for row, i in zip(images, first_new)]
+    every = _through_cache(processor, new_images, cache)
+    position_inputs = {"input_ids": seqs, "attention_mask": seqs_mask}
+    if every:
+        position_inputs["image_grid_thw"] = torch.cat([e[2].cpu() for e in every])
+        position_inputs["mm_token_type_ids"] = mm_token_types(
+            seqs, getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)
+        )
+    positions = family_of(model).position_ids(model, position_inputs)  # [N, S] or [3, N, S]
+    chunk = torch.full((N, C), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((N, K + C), dtype=torch.long)
+    chunk_positions = positions.new_zeros((*positions.shape[:-1], C))
+    for r in range(N):
+        n = new[r]
+        chunk[r, C - n :] = seqs[r, S - n :]
+        mask[r, K - held[r] : K] = 1
+        mask[r, K + C - n :] = 1
+        chunk_positions[..., r, C - n :] = positions[..., r, S - n :]
+        if held[r]:  # continue from the kept cache's own position (see `_KeptRow.last_position`)
+            shift = torch.tensor(kept[r].last_position) - positions[..., r, S - n - 1]
+            chunk_positions[..., r, C - n :] += shift[..., None]
+    inputs = {"input_ids": chunk, "attention_mask": mask, "position_ids": chunk_positions}
+    inputs.update(image_inputs(processor, new_images, cache, device))
+    if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
+        inputs["mm_token_type_ids"] = mm_token_types(
+            chunk, getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)
+        )
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    if K == 0:
+        return inputs, None
+    layers = []
+    like = next(k for k in kept if k is not None).layers
+    for layer, (k0, v0) in enumerate(like):
+        keys = k0.new_zeros((N, k0.shape[0], K, k0.shape[-1]))
+        values = v0.new_zeros((N, v0.shape[0], K, v0.shape[-1]))
+        for r, entry in enumerate(kept):
+            if entry is not None:
+                keys[r, :, K - held[r] :] = entry.layers[layer][0]
+                values[r, :, K - held[r] :] = entry.layers[layer][1]
+        layers.append((keys, values))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inputs, DynamicCache(ddp_cache_data=layers, config=base.config)
 
 
 _CACHE_LENGTH_STEP = 128
@@ -582,21 +864,69 @@ def tools_argument(sample: Sample) -> dict:
     return {"tools": tool_schemas(sample.agent.tools)}
 
 
-def image_inputs(processor: ProcessorMixin, images: list[list]) -> dict[str, torch.Tensor]:
+ImageCache = dict
+"""Processor outputs of images, kept for one multi-turn call so each image goes through the image
+processor once: `id(image) -> (image, its pixel_values rows, its image_grid_thw [1, 3])` (the
+image itself is held, so its id is not reused while the cache lives)."""
+
+
+def remember_images(cache: ImageCache, images: Sequence, outputs: Mapping[str, torch.Tensor]) -> None:
+    """Keep each of `images`' rows of a processor output over exactly those images, in order
+    (Qwen-VL's `pixel_values`: patches concatenated over the images, `image_grid_thw` per image)."""
+    grid = outputs["image_grid_thw"]
+    parts = torch.split(outputs["pixel_values"], grid.prod(dim=-1).tolist())
+    for image, part, thw in zip(images, parts, grid):
+        cache[id(image)] = (image, part, thw[None])
+
+
+def image_inputs(
+    processor: ProcessorMixin,
+    images: list[list],
+    cache: ImageCache | None = None,
+    device: torch.device | None = None,
+) -> dict[str, torch.Tensor]:
     """The processor's image inputs for rows that hold `images` (one list per row, in order),
     through its image processor once per row: Qwen-VL's `pixel_values` (patches of every image,
     concatenated over rows) and `image_grid_thw` (one row per image). Multi-turn trajectories,
-    whose images sit inside their token ids, need a family that lays images out this way."""
+    whose images sit inside their token ids, need a family that lays images out this way.
+
+    With a `cache` (`ImageCache`), an image already in it is not processed again; the others
+    go through the image processor once per row and are added. (The image processor treats
+    each image on its own, so the result is the same, bit for bit.) Pieces from the cache are
+    joined on `device` (default: where they are)."""
     flat = [image for row in images for image in row]
     if not flat:
         return {}
-    outputs = [dict(processor.image_processor(images=row, return_tensors="pt")) for row in images if row]
-    if "image_grid_thw" not in outputs[0]:
+    if cache is None:
+        outputs = [dict(processor.image_processor(images=row, return_tensors="pt")) for row in images if row]
+        _check_grid(processor, outputs[0])
+        return {key: torch.cat([o[key] for o in outputs]) for key in ("pixel_values", "image_grid_thw")}
+    kept = _through_cache(processor, images, cache)
+    device = device if device is not None else kept[0][1].device
+    return {
+        "pixel_values": torch.cat([k[1].to(device) for k in kept]),
+        "image_grid_thw": torch.cat([k[2].to(device) for k in kept]),
+    }
+
+
+def _through_cache(processor: ProcessorMixin, images: list[list], cache: ImageCache) -> list[tuple]:
+    """Every image's cache entry, in order; the images not in it go through the image processor
+    first, once per row that holds any."""
+    for row in images:
+        todo = list({id(image): image for image in row if id(image) not in cache}.values())
+        if todo:
+            out = dict(processor.image_processor(images=todo, return_tensors="pt"))
+            _check_grid(processor, out)
+            remember_images(cache, todo, out)
+    return [cache[id(image)] for row in images for image in row]
+
+
+def _check_grid(processor: ProcessorMixin, outputs: Mapping[str, torch.Tensor]) -> None:
+    if "image_grid_thw" not in outputs:
         raise ValueError(
             f"multi-turn trajectories with images need a Qwen-VL-style processor (image_grid_thw); "
             f"{type(processor).__name__} lays images out otherwise"
         )
-    return {key: torch.cat([o[key] for o in outputs]) for key in ("pixel_values", "image_grid_thw")}
 
 
 def token_inputs(
@@ -605,16 +935,18 @@ def token_inputs(
     images: list[list],
     pad_token_id: int,
     device: torch.device | None = None,
+    image_cache: ImageCache | None = None,
 ) -> dict[str, torch.Tensor]:
     """Model inputs for rows given as token ids (image tokens already expanded) and their images:
-    ids left padded, and `image_inputs` of the images."""
+    ids left padded, and `image_inputs` of the images (through `image_cache` if given)."""
     width = max(len(row) for row in ids)
     input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
     attention = torch.zeros((len(ids), width), dtype=torch.long)
     for r, row in enumerate(ids):
         input_ids[r, width - len(row) :] = torch.tensor(row, dtype=torch.long)
         attention[r, width - len(row) :] = 1
-    inputs = {"input_ids": input_ids, "attention_mask": attention, **image_inputs(processor, images)}
+    vision = image_inputs(processor, images, image_cache, device or torch.device("cpu"))
+    inputs = {"input_ids": input_ids, "attention_mask": attention, **vision}
     if "mm_token_type_ids" in getattr(processor, "model_input_names", ()):
         inputs["mm_token_type_ids"] = mm_token_types(
             input_ids, getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)

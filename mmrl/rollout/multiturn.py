@@ -100,8 +100,14 @@ def generate_trajectories(
     if not uses_tools(samples) or getattr(engine, "runs_trajectories", False):
         return engine.generate(samples, params, on_response=on_response)  # (Ray: each worker loops)
     processor = engine.processor
-    first = engine.generate(samples, params)  # turn 1: the single-turn path, prompts shared
+    # What the engine keeps between turns (the HF engine: key/value caches and every image's
+    # processor output); each image goes through the image processor once per call either way.
+    turns = engine.turn_cache() if callable(getattr(engine, "turn_cache", None)) else None
+    seen: dict = turns.images if turns is not None else {}
+    # turn 1: the single-turn path, prompts shared
+    first = engine.generate(samples, params, turns=turns) if turns is not None else engine.generate(samples, params)
     rows = [_start_row(first, r, agent) for r in range(len(first))]
+    remember_prompt_images(first, rows, seen)
     limits = _limits(agent)
     for r, row in enumerate(rows):
         seg = first.response_mask[r].bool()
@@ -117,7 +123,7 @@ def generate_trajectories(
                 continue
             turn = _next_calls(row, agent)
             if turn is None:
-                _finish(row, r, on_response)
+                _finish(row, r, on_response, turns)
             else:
                 pending.append((r, turn))
         if not pending:
@@ -126,9 +132,9 @@ def generate_trajectories(
         observations = _run_tools(rows, pending, limits)
         # c. Each observation tokenized on its own and appended, if the budgets allow.
         going = []
-        for (r, calls), obs in zip(pending, observations):
+        encoded = observation_batch(processor, observations, seen)
+        for (r, _), (ids, images, messages) in zip(pending, encoded):
             row = rows[r]
-            ids, images, messages = observation_tokens(processor, calls, obs, agent.call_format)
             if len(row.info.images) + len(images) > row.max_images:
                 row.end("image_budget")
             elif len(row.ids) + len(ids) + 1 > row.max_tokens:
@@ -137,16 +143,18 @@ def generate_trajectories(
                 row.add_observation(ids, images, messages)
                 going.append(r)
             if row.done:
-                _finish(row, r, on_response)
+                _finish(row, r, on_response, turns)
         if not going:
             continue
         # d. The next model turn of every trajectory that goes on (prefilled from its ids).
         turn_params = _with_max_new_tokens(
             params, min(params.max_new_tokens, max(rows[r].max_tokens - len(rows[r].ids) for r in going))
         )
+        kept = {"turns": turns, "keys": going} if turns is not None else {}
         outs = engine.continue_rows(
-            [rows[r].prompt_ids + rows[r].ids for r in going], [rows[r].images for r in going], turn_params
-        )
+            [rows[r].prompt_ids + rows[r].ids for r in going], [rows[r].images for r in going], turn_params,
+            **kept,
+        )  # fmt: skip
         for r, (ids, logprobs, truncated) in zip(going, outs):
             row = rows[r]
             room = row.max_tokens - len(row.ids)
@@ -156,7 +164,7 @@ def generate_trajectories(
             row.info.turns += 1
             row.truncated = truncated or cut
     _release(rows)
-    batch = assemble(first, rows, processor, engine.pad_token_id, agent)
+    batch = assemble(first, rows, processor, engine.pad_token_id, agent, seen)
     batch.group_size = params.n
     return batch
 
@@ -226,26 +234,55 @@ def _run_tools(rows: list[_Row], pending: list[tuple[int, Any]], limits: Any) ->
 
 
 def observation_tokens(
-    processor: Any, calls: list, observations: list, call_format: str = "hermes"
+    processor: Any,
+    calls: list,
+    observations: list,
+    call_format: str = "hermes",
+    image_cache: dict | None = None,
 ) -> tuple[list[int], list[Image.Image], list[dict]]:
     """The token ids of one turn's observations (tool messages rendered by the chat template
     after an assistant turn, the next generation prompt included, image tokens expanded by the
-    processor), their images and the tool messages."""
+    processor), their images and the tool messages. With `image_cache`
+    (`mmrl.rollout.hf.ImageCache`), the images' processor outputs are kept in it."""
+    return observation_batch(processor, [observations], image_cache)[0]
+
+
+def observation_batch(
+    processor: Any, observations: list[list], image_cache: dict | None = None
+) -> list[tuple[list[int], list[Image.Image], list[dict]]]:
+    """`observation_tokens` for many trajectories' turns at once (`observations[i]`: one
+    turn's observations): one processor call for the turns with images and one for those
+    without, each row's ids exactly what a call of its own gives (no truncation; the padding
+    dropped)."""
     from mmrl.models.chat_templates import observation_text
 
-    messages = []
-    images: list[Image.Image] = []
-    for o in observations:
-        parts: list[dict[str, Any]] = [{"type": "image"} for _ in o.images]
-        parts.append({"type": "text", "text": o.text})
-        messages.append({"role": "tool", "content": parts})
-        images += list(o.images)
-    text = observation_text(processor, messages)
-    if images:
-        encoded = processor(text=[text], images=[images], return_tensors="pt")
-    else:
-        encoded = processor(text=[text], return_tensors="pt")
-    return encoded["input_ids"][0].tolist(), images, messages
+    out: list[Any] = []
+    for turn in observations:
+        messages = []
+        images: list[Image.Image] = []
+        for o in turn:
+            parts: list[dict[str, Any]] = [{"type": "image"} for _ in o.images]
+            parts.append({"type": "text", "text": o.text})
+            messages.append({"role": "tool", "content": parts})
+            images += list(o.images)
+        out.append([observation_text(processor, messages), images, messages])
+    for with_images in (True, False):
+        which = [i for i, (_, images, _) in enumerate(out) if bool(images) == with_images]
+        if not which:
+            continue
+        texts = [out[i][0] for i in which]
+        if with_images:
+            images = [out[i][1] for i in which]
+            encoded = processor(text=texts, images=images, padding=True, return_tensors="pt")
+            if image_cache is not None and "image_grid_thw" in encoded:
+                from mmrl.rollout.hf import remember_images
+
+                remember_images(image_cache, [image for row in images for image in row], encoded)
+        else:
+            encoded = processor(text=texts, padding=True, return_tensors="pt")
+        for i, ids, mask in zip(which, encoded["input_ids"], encoded["attention_mask"]):
+            out[i][0] = ids[mask.bool()].tolist()
+    return [tuple(o) for o in out]
 
 
 def _release(rows: list[_Row]) -> None:
@@ -261,7 +298,31 @@ def _release(rows: list[_Row]) -> None:
     release_batches(contexts)
 
 
-def _finish(row: _Row, r: int, on_response: Callable[[int, str], None] | None) -> None:
+def remember_prompt_images(first: RolloutBatch, rows: list[_Row], cache: dict) -> None:
+    """Put each row's prompt images in `cache` (`mmrl.rollout.hf.ImageCache`) from the first
+    turn's own processor outputs (Qwen-VL's: per row its patches and one grid per image), so
+    they do not go through the image processor again."""
+    from mmrl.rollout.hf import remember_images
+
+    vision, extents = first.vision_inputs, first.vision_layout.extents if first.vision_layout else {}
+    if "image_grid_thw" not in vision or "pixel_values" not in vision or "pixel_values" not in extents:
+        return
+    grids, pixels = extents.get("image_grid_thw"), extents["pixel_values"]
+    if grids is None or len(grids) != len(rows):
+        return
+    g0, p0 = 0, 0
+    for r, row in enumerate(rows):
+        g1, p1 = g0 + grids[r], p0 + pixels[r]
+        if grids[r] == len(row.images) and grids[r]:
+            remember_images(
+                cache, row.images, {"image_grid_thw": vision["image_grid_thw"][g0:g1], "pixel_values": vision["pixel_values"][p0:p1]}
+            )
+        g0, p0 = g1, p1
+
+
+def _finish(row: _Row, r: int, on_response: Callable[[int, str], None] | None, turns: Any = None) -> None:
+    if turns is not None:
+        turns.drop(r)  # (its kept cache)
     if on_response is not None:
         on_response(r, row.info.turn_texts[-1] if row.info.turn_texts else "")
 
@@ -273,9 +334,15 @@ def _with_max_new_tokens(params: Any, n: int) -> Any:
 
 
 def assemble(
-    first: RolloutBatch, rows: list[_Row], processor: Any, pad_token_id: int, agent: AgentConfig
+    first: RolloutBatch,
+    rows: list[_Row],
+    processor: Any,
+    pad_token_id: int,
+    agent: AgentConfig,
+    image_cache: dict | None = None,
 ) -> RolloutBatch:
-    """The trajectories as one `RolloutBatch` (prompts as the first turn encoded them)."""
+    """The trajectories as one `RolloutBatch` (prompts as the first turn encoded them); images
+    already in `image_cache` (`mmrl.rollout.hf.ImageCache`) are not processed again."""
     from mmrl.models.families import vision_layout
     from mmrl.rollout.hf import image_inputs
 
@@ -297,7 +364,7 @@ def assemble(
             mask[r] = 0  # out of the loss; the observations stay attended, so positions hold
             logprobs[r] = 0.0
     images = [row.images for row in rows]
-    vision = image_inputs(processor, images)
+    vision = image_inputs(processor, images, image_cache, device if image_cache is not None else None)
     images_per_row = [len(x) for x in images]
     vision = {k: v.to(device) for k, v in vision.items()}
     # Inputs aligned with the prompt's tokens (Qwen-VL's `mm_token_type_ids`) stay the prompt's;

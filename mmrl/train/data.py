@@ -37,6 +37,7 @@ def load_data_report(cfg: Config) -> tuple[list[Sample], list[Sample], dict[str,
     """`load_data`, and what was loaded: `{"train": [...], "heldout": [...]}`, one entry per
     source with its row count, detected layout and origin (the run's `summary.json` keeps it)."""
     import_plugins(cfg.reward.plugins)  # verifier names are checked while loading
+    import_plugins(cfg.agent.plugins)  # and tool names
     d = cfg.data
     kw = dict(kinds_=d.kinds, seed=d.seed, image_size=d.image_size)
     report: dict[str, list[dict]] = {"train": [], "heldout": []}
