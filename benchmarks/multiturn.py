@@ -180,9 +180,11 @@ class Timers:
         self.hooks = hooks
         engine.generate = self._timed("first turn", engine.generate)
         engine.continue_rows = self._timed("continuation turns", engine.continue_rows)
-        hf.token_inputs = self._timed("token_inputs", hf.token_inputs)  # (continue_rows' inputs)
+        # continue_rows' inputs: `continuation_inputs` (the engine's own loop), `token_inputs` (generate)
+        hf.continuation_inputs = self._timed("token_inputs", hf.continuation_inputs)
+        hf.token_inputs = self._timed("token_inputs", hf.token_inputs)
         multiturn._run_tools = self._timed("tools", multiturn._run_tools)
-        multiturn.observation_tokens = self._timed("observation tokens", multiturn.observation_tokens)
+        multiturn.observation_batch = self._timed("observation tokens", multiturn.observation_batch)
         multiturn.assemble = self._timed("assemble", multiturn.assemble)
 
     def _timed(self, name: str, fn):
@@ -372,11 +374,11 @@ BREAKDOWN = [
     ("tools (run_tool_batches)", "tools"),
     ("observation tokens (processor)", "observation tokens"),
     ("continuation turns (continue_rows)", "continuation turns"),
-    ("  inputs (token_inputs, images)", "token_inputs"),
-    ("  re-prefill forwards", "continuation turns/prefill"),
+    ("  inputs (positions, images, cache)", "token_inputs"),
+    ("  prefill forwards", "continuation turns/prefill"),
     ("    of which the vision encoder", "continuation turns/vision"),
     ("  decode forwards", "continuation turns/decode"),
-    ("  generate's sampling, rest", "continuation turns/rest"),
+    ("  sampling, rest", "continuation turns/rest"),
     ("assemble (images of every row)", "assemble"),
     ("rest of the loop", "rest"),
 ]

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mmrl.datasets.procedural import make_samples
+from mmrl.environments import ParsedTurn, ToolCall, register_call_format
 from mmrl.rollout import decode as dec
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
 from mmrl.train.forward import response_logprobs
@@ -257,3 +258,81 @@ def test_on_a_gpu_the_captured_step_samples_the_static_tokens(tiny_policy):
     assert captured._workspace is not None and all(
         b.replay is not None for b in captured._workspace.buckets.values()
     )
+
+
+def test_a_growing_layer_holds_what_a_dynamic_layer_holds():
+    """The eager steps' cache layer writes new columns in place (no copy of the whole cache per
+    step): the same keys and values as transformers' `DynamicLayer` through updates past its
+    room, row reordering and cropping."""
+    from transformers.cache_utils import DynamicLayer
+
+    from mmrl.rollout.decode import GrowingLayer, grow_in_place
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 6)
+    plain = DynamicLayer()
+    plain.update(keys, values)
+    growing = GrowingLayer(keys, values, room=2)
+    for step in range(4):  # (the third outgrows the room)
+        k, v = torch.randn(3, 2, 1 + step % 2, 4), torch.randn(3, 2, 1 + step % 2, 6)
+        expected, got = plain.update(k, v), growing.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        assert growing.get_seq_length() == plain.get_seq_length()
+    order = torch.tensor([2, 0])
+    plain.reorder_cache(order)
+    growing.reorder_cache(order)
+    plain.crop(-2)
+    growing.crop(-2)
+    assert torch.equal(plain.keys, growing.keys) and torch.equal(plain.values, growing.values)
+    k, v = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 6)
+    assert all(torch.equal(a, b) for a, b in zip(plain.update(k, v), growing.update(k, v)))
+
+    class Cache:  # what grow_in_place reads of a dynamic cache
+        layers = [DynamicLayer()]
+
+    Cache.layers[0].update(keys, values)
+    grow_in_place(Cache, room=3, rows=torch.tensor([1, 1, 0, 2]))
+    layer = Cache.layers[0]
+    assert isinstance(layer, GrowingLayer) and torch.equal(layer.keys, keys[[1, 1, 0, 2]])
+
+
+@register_call_format("decode_always_zoom")
+def _always_zoom(text: str) -> ParsedTurn:
+    return ParsedTurn(
+        calls=[ToolCall("zoom_in", {"bbox_2d": [0, 0, 32, 32]}, text)], errors=[], error_kinds=[]
+    )
+
+
+@pytest.mark.parametrize("form", ["static", "captured"])
+def test_multi_turn_continuations_sample_the_eager_tokens_in_every_form(tiny_policy, form):
+    """Multi-turn trajectories (`mmrl.rollout.multiturn`): the continuations prefill from the
+    caches kept since the last turn (copied out of the static buffers, which the next turn
+    reuses) and decode in the chosen form; rows finish at different steps (kept as they are
+    compacted out). The eager tokens and log-probs, and the trainer's log-probs."""
+    import dataclasses
+
+    from mmrl.config import AgentConfig
+    from mmrl.rollout.multiturn import generate_trajectories
+    from mmrl.types import AgentSpec
+
+    samples = [dataclasses.replace(s, agent=AgentSpec(tools=["zoom_in"])) for s in _samples(3)]
+    agent = AgentConfig(call_format="decode_always_zoom", max_turns=3, max_tokens=400)
+    params = SamplingParams(n=3, temperature=0.7, max_new_tokens=12)
+    hook = _stop_sooner(tiny_policy, boost=4.0)
+    try:
+        batches = []
+        for engine in (_engine(tiny_policy, "eager"), _engine(tiny_policy, form, StandInGraph())):
+            torch.manual_seed(5)
+            batches.append(generate_trajectories(engine, samples, params, agent))
+        compactions = engine.rollout_metrics()["rollout/compactions"]
+        want, got = batches
+        with torch.no_grad():
+            recomputed, _ = response_logprobs(tiny_policy.model, got, tiny_policy.blocked, 0.7)
+    finally:
+        hook.remove()
+    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(
+        got.response_mask, want.response_mask
+    )
+    torch.testing.assert_close(got.rollout_logprobs, want.rollout_logprobs, atol=1e-5, rtol=0)
+    assert compactions >= 1 and {t.turns for t in got.trajectories} == {3}
+    torch.testing.assert_close(recomputed, got.rollout_logprobs, atol=1e-5, rtol=0)

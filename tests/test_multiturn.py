@@ -283,3 +283,200 @@ def test_the_last_line_carries_the_tool_figures():
     assert "0.400 [0.350-0.450] -> 0.600 [0.550-0.650] (+20.0 points; 256 prompts each" in line
     assert "tool-call rate 0.900 -> 1.000" in line
     assert "with the tools off 0.170 [0.130-0.220] -> 0.180 [0.140-0.230]" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# The HF engine's turns: images processed once, continuations in its own decode loop from the
+# key/value cache kept since the last turn
+# ---------------------------------------------------------------------------------------------
+
+
+def _prefill_widths(model) -> tuple[list[int], object]:
+    """The widths of the forwards over more than one new position (prefills), as they run."""
+    widths: list[int] = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:
+            widths.append(int(ids.shape[1]))
+
+    return widths, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_each_image_goes_through_the_image_processor_once_and_the_batch_is_bit_identical(
+    tiny_policy, monkeypatch
+):
+    """The prompt's images come from the first turn's processor outputs and each observation's
+    from its own tokenization: nothing else runs the image processor, and the batch's vision
+    inputs are exactly the image processor's outputs over every row's images, row by row."""
+    from mmrl.rollout.hf import image_inputs
+
+    processor = tiny_policy.processor
+    processed: list[int] = []
+    real = processor.image_processor.preprocess
+
+    def counting(images, *args, **kwargs):
+        processed.append(len(images) if isinstance(images, list) else 1)
+        return real(images, *args, **kwargs)
+
+    monkeypatch.setattr(processor.image_processor, "preprocess", counting)
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    samples = _tool_samples(3)
+    batch = generate_trajectories(engine, samples, SamplingParams(n=2, max_new_tokens=12), _agent())
+    observation_images = sum(len(t.images) for t in batch.trajectories)
+    assert observation_images == 2 * len(batch)
+    assert sum(processed) == sum(len(s.images) for s in samples) + observation_images
+    monkeypatch.setattr(processor.image_processor, "preprocess", real)
+    rows = [s.pil_images() + list(t.images) for s, t in zip(batch.samples, batch.trajectories)]
+    reference = image_inputs(processor, rows)
+    assert torch.equal(batch.vision_inputs["pixel_values"], reference["pixel_values"])
+    assert torch.equal(batch.vision_inputs["image_grid_thw"], reference["image_grid_thw"])
+
+
+def test_observations_tokenized_together_are_the_ids_of_each_tokenized_alone(tiny_policy):
+    from mmrl.environments import Observation
+    from mmrl.rollout.multiturn import observation_batch, observation_tokens
+
+    processor = tiny_policy.processor
+    image = make_samples(["colour_code"], 1, "train")[0].pil_images()[0]
+    turns = [
+        [Observation(text="a crop", images=[image.crop((0, 0, 40, 40))])],
+        [Observation(text="no image here, a longer text than the others")],
+        [
+            Observation(text="two", images=[image, image.crop((8, 8, 60, 30))]),
+            Observation(text="and a second call"),
+        ],
+    ]
+    together = observation_batch(processor, turns)
+    for turn, (ids, images, messages) in zip(turns, together):
+        # (what observation_tokens did before: one processor call of its own, unpadded)
+        from mmrl.models.chat_templates import observation_text
+
+        alone_ids, alone_images, alone_messages = observation_tokens(processor, [], turn)
+        assert ids == alone_ids and images == alone_images and messages == alone_messages
+        text = observation_text(processor, messages)
+        own = processor(text=[text], images=[images] if images else None, return_tensors="pt")
+        assert ids == own["input_ids"][0].tolist()
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_continuation_from_the_kept_cache_samples_what_a_full_prefill_samples(
+    tiny_policy, monkeypatch, decode
+):
+    """The same seed with and without the kept key/value caches: the same tokens, log-probs
+    within 1e-5 of each other and of the trainer's, while the continuations prefill only the
+    observations (not the whole sequence again)."""
+    from mmrl.rollout.hf import TurnCache
+
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    engine.decode = decode
+    samples = _tool_samples(3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
+    runs = {}
+    for keep in (True, False):
+        monkeypatch.setattr(engine, "turn_cache", lambda keep=keep: TurnCache(keep_kv=keep))
+        widths, handle = _prefill_widths(tiny_policy.model)
+        torch.manual_seed(3)
+        try:
+            runs[keep] = (generate_trajectories(engine, samples, params, _agent()), widths)
+        finally:
+            handle.remove()
+    (kept, kept_widths), (full, full_widths) = runs[True], runs[False]
+    assert torch.equal(kept.response_ids, full.response_ids)
+    assert torch.equal(kept.observation_mask, full.observation_mask)
+    torch.testing.assert_close(kept.rollout_logprobs, full.rollout_logprobs, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(tiny_policy.model, kept, tiny_policy.blocked, 1.0)
+    torch.testing.assert_close(recomputed, kept.rollout_logprobs, atol=1e-5, rtol=0)
+    # the first turn's prefill, then two continuations each: observation (+ the stop token) vs all
+    assert len(kept_widths) == len(full_widths) == 3
+    observation = max(int(t.observation_tokens) for t in kept.trajectories)
+    assert all(w <= observation for w in kept_widths[1:])
+    assert all(w > kept.prompt_mask.sum(1).min() for w in full_widths[1:])
+
+
+def test_kept_positions_go_on_as_the_models_layout_of_the_whole_sequence(tiny_policy):
+    """A continuation's positions from a kept cache (the model's layout over the new tokens,
+    moved to continue from the kept last position) are the M-RoPE positions of the whole
+    sequence, images inside the response included."""
+    from mmrl.models.families import family_of, mm_token_types
+    from mmrl.rollout.hf import _KeptRow, continuation_inputs, image_inputs
+
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    model, processor = tiny_policy.model, tiny_policy.processor
+    batch = generate_trajectories(engine, _tool_samples(2), SamplingParams(n=1, max_new_tokens=12), _agent())
+    stop = tiny_policy.stop_token_ids[0]
+    for r in range(len(batch)):
+        prompt = batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist()
+        response = batch.response_ids[r][batch.response_attention()[r].bool()].tolist()
+        ids = prompt + response
+        images = batch.samples[r].pil_images() + list(batch.trajectories[r].images)
+        full = torch.tensor([ids])
+        inputs = {
+            "input_ids": full,
+            "attention_mask": torch.ones_like(full),
+            **image_inputs(processor, [images]),
+        }
+        inputs["mm_token_type_ids"] = mm_token_types(full, processor.image_token_id, None)
+        positions = family_of(model).position_ids(model, inputs)  # [3, 1, T]
+        model_turns = [i for i, t in enumerate(response) if t == stop]
+        assert len(model_turns) >= 2
+        for end in model_turns[:2]:  # kept through a model turn's stop token
+            k = len(prompt) + end + 1
+            held_images = len(batch.samples[r].images) + (end > model_turns[0])
+            layers = [(torch.zeros(1, 2, k, 32), torch.zeros(1, 2, k, 32))]
+            kept = _KeptRow(ids[:k], held_images, layers, 0, torch.arange(k), positions[:, 0, k - 1].tolist())
+            got, _ = continuation_inputs(processor, model, [ids], [images], [kept], 0, torch.device("cpu"))
+            assert torch.equal(got["position_ids"], positions[..., k:])
+            assert torch.equal(got["input_ids"], full[:, k:])
+            assert got["attention_mask"].shape == (1, len(ids)) and bool(got["attention_mask"].all())
+
+
+@register_call_format("always_note")
+def _always_note(text: str) -> ParsedTurn:
+    return ParsedTurn(calls=[ToolCall("mt_note", {}, text)], errors=[], error_kinds=[])
+
+
+def _register_note_tool():
+    from mmrl.environments import ToolContext, register_tool
+
+    def mt_note(*, context: ToolContext) -> str:
+        """Write a note."""
+        calls = context.state["calls"] = context.state.get("calls", 0) + 1
+        return "note " * (len(context.sample_id) % 3 + 2 * calls)
+
+    register_tool("mt_note", replace=True)(mt_note)
+
+
+def test_text_only_trajectories_keep_their_positions_across_turns(tiny_policy):
+    """No image anywhere: Qwen-VL's positions then count left padding, which differs between
+    the first turn's batch and a continuation's; the kept cache's own positions go on, and the
+    trainer's log-probs still match."""
+    from mmrl.types import RewardSpec, Sample
+
+    _register_note_tool()
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    samples = [
+        Sample(
+            data_source="notes", prompt=[{"role": "user", "content": "count " * (3 + 5 * i)}], images=[],
+            ability="math", reward_model=RewardSpec(ground_truth="1", verifier="math"),
+            extra_info={"id": "n" * (i + 1)}, agent=AgentSpec(tools=["mt_note"]),
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    widths, handle = _prefill_widths(tiny_policy.model)
+    try:
+        batch = generate_trajectories(
+            engine, samples, SamplingParams(n=2, max_new_tokens=10), _agent(call_format="always_note")
+        )
+    finally:
+        handle.remove()
+    assert [t.turns for t in batch.trajectories] == [3] * 6
+    assert batch.prompt_mask.sum(1).unique().numel() > 1  # really padded
+    # prefilled from kept caches: at most a turn's observations (the whole sequence is longer)
+    assert len(widths) == 3 and all(
+        w <= max(t.observation_tokens for t in batch.trajectories) for w in widths[1:]
+    )
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
+    torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)

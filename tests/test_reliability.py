@@ -299,3 +299,45 @@ def test_sigint_during_a_checkpoint_write_then_resume_is_bit_exact(mmrl_cache, t
         for key in wa:
             assert torch.equal(wa[key], wb[key]), f"{step}: {key} differs"
         _same(load_trainer_state(a), load_trainer_state(b), step)
+
+
+def test_a_multi_turn_run_killed_inside_a_step_resumes_exactly(tmp_path, monkeypatch):
+    """Tool samples (`visual_search`: they name `zoom_in`) on a random tiny model whose turns
+    are read as zoom calls (`agent.plugins`) and end on any printable byte: the run is SIGKILLed
+    while step 3's trajectories call their tools (a parse after the step-2 checkpoint), then
+    resumed; every metric equals the uninterrupted run's, the `agent/` ones included."""
+    from mmrl.models.loading import make_policy
+    from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm
+
+    plugins = str(Path(__file__).parent / "plugins")
+    monkeypatch.setenv("PYTHONPATH", plugins + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    marker = tmp_path / "calls.txt"
+    monkeypatch.setenv("MMRL_TEST_CALL_MARKER", str(marker))
+    spec, model_dir = TinyVLMSpec(), tmp_path / "model"
+    policy = make_policy(build_tiny_vlm(spec, seed=0), build_processor(spec))
+    policy.model.generation_config.eos_token_id = [policy.stop_token_ids[0], *range(32, 127)]
+    policy.model.save_pretrained(model_dir)
+    policy.processor.save_pretrained(model_dir)
+    args = [
+        *SHORT, "trainer.total_steps=4", "trainer.checkpoint_every=2", "trainer.keep_last=0",
+        "rollout.max_new_tokens=6", "data.kinds=[visual_search]", f"model.path={model_dir}",
+        "agent.plugins=[multiturn_formats]", "agent.call_format=plugin_marked_zoom", "agent.max_turns=2",
+        "trainer.eval_every=4",
+    ]  # fmt: skip
+    whole = _cli(*args, f"trainer.run_dir={tmp_path / 'whole'}")
+    assert whole.wait() == 0, whole.stderr.read()[-3000:]
+
+    killed = _cli(*args, f"trainer.run_dir={tmp_path / 'killed'}")
+    _wait_for(tmp_path / "killed" / "checkpoints" / "step_00000002" / "manifest.json", killed)
+    marker.unlink(missing_ok=True)
+    _wait_for(marker, killed)  # a tool call after the checkpoint: inside step 3's rollout
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    done = {c.step for c in list_checkpoints(tmp_path / "killed")}
+    assert 2 in done and 4 not in done
+
+    resumed = _cli(*args, f"trainer.run_dir={tmp_path / 'killed'}", "--resume", "auto")
+    assert resumed.wait() == 0, resumed.stderr.read()[-3000:]
+    whole_metrics = _metrics(tmp_path / "whole")
+    assert any("agent/turns" in r and r["agent/turns"] > 1 for r in whole_metrics)
+    assert _metrics(tmp_path / "killed") == whole_metrics

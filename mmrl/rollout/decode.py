@@ -104,11 +104,8 @@ class EagerSteps:
     """Decode steps with the model's forward over the prefill's dynamic cache.
 
     `step(tokens)` feeds `tokens` [n] (one per running slot) and returns the next logits [n, V];
-    `wants(running)` says whether to compact, and `keep(slots)` drops every other slot.
-
-    With `room` (the steps to come), the cache's layers get buffers with that many columns
-    spare (`GrowingLayer`): a step writes its column in place, where the dynamic cache would
-    copy the whole cache to append it."""
+    `wants(running)` says whether to compact, and `keep(slots)` drops every other slot. (The
+    engine gives it a cache whose layers have room for the steps, `grow_in_place`.)"""
 
     def __init__(
         self,
@@ -117,12 +114,9 @@ class EagerSteps:
         attention_mask: torch.Tensor,
         position: torch.Tensor,
         buckets: list[int],
-        room: int = 0,
     ):
         from mmrl.train.forward import cache_argument
 
-        if room > 0:
-            grow_in_place(cache, room)
         self.model, self.cache, self.buckets = model, cache, buckets
         self.attention_mask = attention_mask  # [n, P + t]
         self.position = position  # [n, 1] or [3, n, 1]: the position of the next token fed
@@ -148,10 +142,12 @@ class EagerSteps:
         """Whether to compact: the running rows fit a smaller bucket than the rows held."""
         return bucket_for(running, self.buckets) < bucket_for(self.attention_mask.shape[0], self.buckets)
 
-    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer the cache's keys and values [slots, heads, columns, dim]: column P + t holds
-        what step t fed (P the prefill's columns)."""
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+    def kv(self, slots: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """The keys and values of `slots`, to keep past this batch: per layer (keys, values)
+        [rows, heads, columns, dim], and the rows of `slots` in them. Column P + t holds what
+        step t fed (P the prefill's columns). Here the cache's own tensors: a step writes only
+        columns after the current one, and compaction makes new tensors."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers], slots
 
     def keep(self, slots: torch.Tensor) -> None:
         self.cache.reorder_cache(slots)
@@ -159,12 +155,16 @@ class EagerSteps:
         self.position = self.position.index_select(-2, slots)
 
 
-def grow_in_place(cache: Any, room: int) -> None:
-    """Turn a dynamic cache's plain layers into `GrowingLayer`s with `room` spare columns
-    (layers of other kinds, a sliding window's, are left as they are)."""
+def grow_in_place(cache: Any, room: int, rows: torch.Tensor | None = None) -> None:
+    """Index a dynamic cache's rows (`rows`: which row each new row copies, as `reorder_cache`)
+    and turn its plain layers into `GrowingLayer`s with `room` spare columns, so that a decode
+    step writes its column in place where `DynamicLayer` copies the whole cache to append it.
+    Layers of other kinds (a sliding window's) are only indexed."""
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
-            cache.layers[i] = GrowingLayer(layer.keys, layer.values, room)
+            cache.layers[i] = GrowingLayer(layer.keys, layer.values, room, rows)
+        elif rows is not None:
+            layer.reorder_cache(rows)
 
 
 class GrowingLayer(DynamicLayer):
@@ -172,8 +172,10 @@ class GrowingLayer(DynamicLayer):
     `update` writes the new columns in place (reallocating, doubled, only when they are full)
     where `DynamicLayer` copies the whole cache to append one column."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, rows: torch.Tensor | None = None):
         super().__init__()
+        if rows is not None:
+            keys, values = keys.index_select(0, rows), values.index_select(0, rows)
         n, length = keys.shape[0], keys.shape[2]
         self._keys = keys.new_empty((n, keys.shape[1], length + room, keys.shape[3]))
         self._values = values.new_empty((n, values.shape[1], length + room, values.shape[3]))
@@ -591,10 +593,13 @@ class StaticSteps:
                 layer.cumulative_length.copy_(length)
         log.info("decode step captured for %d rows (cache length %d)", bucket.rows, self.ws.max_len)
 
-    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer the buffers' keys and values [slots, heads, columns, dim], as `EagerSteps.kv`
-        (the slots in the buffers' first rows; columns past the last step hold stale values)."""
-        return list(zip(self.ws.keys, self.ws.values))
+    def kv(self, slots: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """As `EagerSteps.kv`; copies out of the buffers, which the next batch reuses (columns
+        past the current step hold stale values)."""
+        end = self.prompt_len + self.t
+        layers = [(k[:, :, :end].index_select(0, slots), v[:, :, :end].index_select(0, slots))
+                  for k, v in zip(self.ws.keys, self.ws.values)]  # fmt: skip
+        return layers, torch.arange(slots.shape[0], device=slots.device)
 
     # -- compaction ----------------------------------------------------------------------------
 

@@ -17,6 +17,14 @@ are compacted out of the running batch. With LoRA, the adapters can be merged in
 for the rollout (`rollout.lora_merge`, `mmrl.models.adapters.MergedAdapters`) and the weights
 restored exactly afterwards; the trainer scores with the adapters unmerged, and the difference
 shows in the `rollout/` mismatch metrics.
+
+Multi-turn trajectories (`mmrl.rollout.multiturn`) take the same path on those models: the first
+turn through the shared-prompt sampler, each later turn (`continue_rows`) a prefill then the same
+decode loop. What a call keeps between its turns (`turn_cache()`, a `TurnCache`): each row's
+key/value cache over the tokens it has seen, so a continuation prefills only its observation
+(the tool messages and their images), and each image's processor output, so every image goes
+through the image processor once. Positions are the model's own layout (M-RoPE over the images)
+continued from the kept ones, +1 per decoded token; the trainer's full forward gives the same.
 """
 
 from __future__ import annotations
@@ -213,7 +221,8 @@ class HFRolloutEngine:
 
         if self.blocked.device != self.device:  # the token mask follows the model
             self.blocked = self.blocked.to(self.device)
-        shared = params.n > 1 and shares_prompts(self.model)
+        # (A multi-turn call's first turn samples here too, its cache kept for the next turn.)
+        shared = (params.n > 1 or (turns is not None and turns.keep_kv)) and shares_prompts(self.model)
         # Chunks of whole groups when prompts are shared, else of rows.
         units = samples if shared else [s for s in samples for _ in range(params.n)]
         per_unit = params.n if shared else 1
@@ -413,7 +422,9 @@ class HFRolloutEngine:
                     keep = self._keeper(
                         turns, keys, [list(row) for row in ids], [len(x) for x in images], mask, next_position
                     )
-                response, logprobs = self._decode(steps, logits, params, None, mask.shape[1], per_position, keep)
+                response, logprobs = self._decode(
+                    steps, logits, params, None, mask.shape[1], per_position, keep
+                )
                 if getattr(steps, "capture_failed", None):
                     self.decode = "static"
                     self._metrics["rollout/decode_captured"] = 0.0
@@ -444,15 +455,16 @@ class HFRolloutEngine:
         def keep(steps, rows: torch.Tensor, slots: torch.Tensor, fed: int, response: torch.Tensor) -> None:
             if rows.numel() == 0:
                 return
-            layers = steps.kv()
+            layers, at = steps.kv(slots)
             tokens = response[rows, :fed].tolist()
-            for j, (r, slot) in enumerate(zip(rows.tolist(), slots.tolist())):
+            for j, (r, row) in enumerate(zip(rows.tolist(), at.tolist())):
                 n = next((i + 1 for i, t in enumerate(tokens[j]) if t in stop), fed)
-                cols = torch.cat([columns[r], torch.arange(P, P + n, device=columns[r].device)])
                 turns.rows[keys[r]] = _KeptRow(
                     ids=prefixes[r] + tokens[j][:n],
                     images=images[r],
-                    layers=[(k[slot][:, cols], v[slot][:, cols]) for k, v in layers],
+                    layers=layers,
+                    row=row,
+                    columns=torch.cat([columns[r], torch.arange(P, P + n, device=columns[r].device)]),
                     last_position=(first[..., r] + n - 1).tolist(),
                 )
 
@@ -640,8 +652,11 @@ class HFRolloutEngine:
         """The decode steps of the chosen form for the N = len(index) rows."""
         buckets = dec.decode_buckets(max(self.max_batch_rows, index.shape[0]))
         if form == "eager":
-            cache.reorder_cache(index)  # [B] -> [B x G] rows
-            return dec.EagerSteps(self.model, cache, prompt_mask[index], position, buckets, max_new_tokens)
+            identity = index.shape[0] == prompt_mask.shape[0] and bool(
+                (index == torch.arange(index.shape[0], device=index.device)).all()
+            )
+            dec.grow_in_place(cache, max_new_tokens, None if identity else index)  # [B] -> [B x G] rows
+            return dec.EagerSteps(self.model, cache, prompt_mask[index], position, buckets)
         length = prompt_mask.shape[1] + max_new_tokens
         rows = dec.bucket_for(index.shape[0], buckets)
         ws = self._workspace
@@ -665,7 +680,12 @@ class _KeptRow:
     images: int
     """The images among them (the row's first ones)."""
     layers: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer the keys and values [heads, len(ids), dim]."""
+    """Per layer keys and values [rows, heads, columns, dim] that hold it (shared by the rows
+    of a batch that left it together)..."""
+    row: int
+    """...in this row..."""
+    columns: torch.Tensor
+    """...at these columns, one per id."""
     last_position: int | list[int]
     """The position of its last token ([3] for M-RoPE). The tokens after it continue from it:
     a row's positions may be laid out with its left padding counted (text-only batches), which
@@ -712,7 +732,8 @@ def continuation_inputs(
     """A continuation's prefill: per row, the tokens after its kept cache (`kept[r]`, or all of
     them) and the images among them. Returns the model inputs (`input_ids` [N, C] left padded,
     `attention_mask` [N, K + C] over the kept columns and the new ones, `position_ids`: the
-    model's own layout over each row's whole sequence, sliced to the new tokens; the new
+    model's own layout of the new tokens, continuing the kept cache's positions, which is its
+    layout of the whole sequence sliced to them; the new
     images' `pixel_values` and `image_grid_thw`) and the kept caches as one dynamic cache of K
     columns, each row's right-aligned (None when no row has one)."""
     from transformers import DynamicCache
@@ -738,14 +759,30 @@ def continuation_inputs(
         seqs[r, S - len(row) :] = torch.tensor(row, dtype=torch.long)
         seqs_mask[r, S - len(row) :] = 1
     new_images = [row[i:] for row, i in zip(images, first_new)]
-    every = _through_cache(processor, new_images, cache)
-    position_inputs = {"input_ids": seqs, "attention_mask": seqs_mask}
-    if every:
-        position_inputs["image_grid_thw"] = torch.cat([e[2].cpu() for e in every])
-        position_inputs["mm_token_type_ids"] = mm_token_types(
-            seqs, getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)
+    _through_cache(processor, new_images, cache)
+    grids = [[tuple(cache[id(image)][2][0].tolist()) for image in row] for row in new_images]
+    types = mm_token_types(
+        seqs, getattr(processor, "image_token_id", None), getattr(processor, "video_token_id", None)
+    )
+    # A row's layout depends only on its token types and its images' grids: it is computed
+    # once per distinct (types, grids) and shared (the G rows of a group usually have one).
+    distinct: dict[tuple, int] = {}
+    which = [
+        distinct.setdefault((tuple(t[S - len(row) :].tolist()), tuple(g)), r)
+        for r, (t, row, g) in enumerate(zip(types, laid, grids))
+    ]
+    reps = sorted(set(which))
+    slot = {r: i for i, r in enumerate(reps)}
+    inverse = torch.tensor([slot[w] for w in which]) if len(reps) < N else None
+    position_inputs = {"input_ids": seqs[reps], "attention_mask": seqs_mask[reps]}
+    if any(grids[r] for r in reps):
+        position_inputs["image_grid_thw"] = torch.tensor(
+            [g for r in reps for g in grids[r]], dtype=torch.long
         )
-    positions = family_of(model).position_ids(model, position_inputs)  # [N, S] or [3, N, S]
+        position_inputs["mm_token_type_ids"] = types[reps]
+    positions = family_of(model).position_ids(model, position_inputs)  # [U, S] or [3, U, S]
+    if inverse is not None:
+        positions = positions.index_select(-2, inverse)
     chunk = torch.full((N, C), pad_token_id, dtype=torch.long)
     mask = torch.zeros((N, K + C), dtype=torch.long)
     chunk_positions = positions.new_zeros((*positions.shape[:-1], C))
@@ -767,18 +804,32 @@ def continuation_inputs(
     inputs = {k: v.to(device) for k, v in inputs.items()}
     if K == 0:
         return inputs, None
-    layers = []
+    # The kept caches, right-aligned in K columns: one gather per layer for the rows kept from
+    # the same tensors. (A column left of a row's own is any of its columns: masked, but finite.)
     like = next(k for k in kept if k is not None).layers
-    for layer, (k0, v0) in enumerate(like):
-        keys = k0.new_zeros((N, k0.shape[0], K, k0.shape[-1]))
-        values = v0.new_zeros((N, v0.shape[0], K, v0.shape[-1]))
-        for r, entry in enumerate(kept):
-            if entry is not None:
-                keys[r, :, K - held[r] :] = entry.layers[layer][0]
-                values[r, :, K - held[r] :] = entry.layers[layer][1]
-        layers.append((keys, values))
+    layers = [
+        (k.new_zeros((N, k.shape[1], K, k.shape[3])), v.new_zeros((N, v.shape[1], K, v.shape[3])))
+        for k, v in like
+    ]
+    groups: dict[int, list[int]] = {}
+    for r, entry in enumerate(kept):
+        if entry is not None:
+            groups.setdefault(id(entry.layers), []).append(r)
+    for members in groups.values():
+        source = kept[members[0]].layers
+        at = torch.tensor([kept[r].row for r in members], device=source[0][0].device)
+        columns = torch.stack([_right_aligned(kept[r].columns, K) for r in members])  # [n, K]
+        into = torch.tensor(members, device=layers[0][0].device)
+        for (keys, values), (k, v) in zip(layers, source):
+            keys[into] = k[at[:, None], :, columns].transpose(1, 2).to(keys.device)  # [n, heads, K, dim]
+            values[into] = v[at[:, None], :, columns].transpose(1, 2).to(values.device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return inputs, DynamicCache(ddp_cache_data=layers, config=base.config)
+
+
+def _right_aligned(columns: torch.Tensor, width: int) -> torch.Tensor:
+    """`columns` right-aligned in `width`, the first repeated on the left."""
+    return torch.cat([columns[:1].expand(width - columns.shape[0]), columns])
 
 
 _CACHE_LENGTH_STEP = 128

@@ -3,7 +3,8 @@
 Per trajectory, until a final answer or a limit:
 
 1. the engine generates a turn (the first from the prompt, as a single-turn rollout does; later
-   ones from the token ids the model has seen so far, `engine.continue_rows`);
+   ones from the token ids the model has seen so far, `engine.continue_rows`; the HF engine keeps
+   each row's key/value cache between turns, `turn_cache()`, and prefills only the new tokens);
 2. the turn's tool calls are parsed in the model's format (`agent.call_format`);
 3. the tools run on this side, every trajectory's calls concurrently, under time limits
    (`mmrl.environments.run_tool_batches`); a failure is an error observation, counted;
@@ -18,7 +19,9 @@ A batch whose samples name no tools is the one-turn case: the engine's `generate
 The result is a `RolloutBatch` whose response holds model and observation tokens interleaved,
 `response_mask` 1 on the model's, `observation_mask` 1 on the observations', the rollout
 log-probs of the model's tokens, and every image of each trajectory (the prompt's, then the
-observations') through the image processor once per trajectory, in order.
+observations') in order. Each image goes through the image processor once per call: the prompt's
+in the first turn, an observation's when it is tokenized; their outputs are kept
+(`mmrl.rollout.hf.ImageCache`) for the continuations and the batch.
 """
 
 from __future__ import annotations
@@ -105,7 +108,11 @@ def generate_trajectories(
     turns = engine.turn_cache() if callable(getattr(engine, "turn_cache", None)) else None
     seen: dict = turns.images if turns is not None else {}
     # turn 1: the single-turn path, prompts shared
-    first = engine.generate(samples, params, turns=turns) if turns is not None else engine.generate(samples, params)
+    first = (
+        engine.generate(samples, params, turns=turns)
+        if turns is not None
+        else engine.generate(samples, params)
+    )
     rows = [_start_row(first, r, agent) for r in range(len(first))]
     remember_prompt_images(first, rows, seen)
     limits = _limits(agent)
@@ -315,7 +322,12 @@ def remember_prompt_images(first: RolloutBatch, rows: list[_Row], cache: dict) -
         g1, p1 = g0 + grids[r], p0 + pixels[r]
         if grids[r] == len(row.images) and grids[r]:
             remember_images(
-                cache, row.images, {"image_grid_thw": vision["image_grid_thw"][g0:g1], "pixel_values": vision["pixel_values"][p0:p1]}
+                cache,
+                row.images,
+                {
+                    "image_grid_thw": vision["image_grid_thw"][g0:g1],
+                    "pixel_values": vision["pixel_values"][p0:p1],
+                },
             )
         g0, p0 = g1, p1
 
