@@ -753,10 +753,10 @@ def continuation_inputs(
     # an image from the position after it.) Grids of the images only; no pixels.
     laid = [row[h - 1 :] if h else row for row, h in zip(ids, held)]
     S = max(len(row) for row in laid)
-    seqs = torch.full((N, S), pad_token_id, dtype=torch.long)
-    seqs_mask = torch.zeros((N, S), dtype=torch.long)
+    seqs = torch.full((N, S), pad_token_id, dtype=torch.long, device="cpu")
+    seqs_mask = torch.zeros((N, S), dtype=torch.long, device="cpu")
     for r, row in enumerate(laid):
-        seqs[r, S - len(row) :] = torch.tensor(row, dtype=torch.long)
+        seqs[r, S - len(row) :] = torch.tensor(row, dtype=torch.long, device="cpu")
         seqs_mask[r, S - len(row) :] = 1
     new_images = [row[i:] for row, i in zip(images, first_new)]
     _through_cache(processor, new_images, cache)
@@ -773,18 +773,18 @@ def continuation_inputs(
     ]
     reps = sorted(set(which))
     slot = {r: i for i, r in enumerate(reps)}
-    inverse = torch.tensor([slot[w] for w in which]) if len(reps) < N else None
+    inverse = torch.tensor([slot[w] for w in which], device="cpu") if len(reps) < N else None
     position_inputs = {"input_ids": seqs[reps], "attention_mask": seqs_mask[reps]}
     if any(grids[r] for r in reps):
         position_inputs["image_grid_thw"] = torch.tensor(
-            [g for r in reps for g in grids[r]], dtype=torch.long
+            [g for r in reps for g in grids[r]], dtype=torch.long, device="cpu"
         )
         position_inputs["mm_token_type_ids"] = types[reps]
     positions = family_of(model).position_ids(model, position_inputs)  # [U, S] or [3, U, S]
     if inverse is not None:
         positions = positions.index_select(-2, inverse)
-    chunk = torch.full((N, C), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((N, K + C), dtype=torch.long)
+    chunk = torch.full((N, C), pad_token_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((N, K + C), dtype=torch.long, device="cpu")
     chunk_positions = positions.new_zeros((*positions.shape[:-1], C))
     for r in range(N):
         n = new[r]
@@ -793,7 +793,7 @@ def continuation_inputs(
         mask[r, K + C - n :] = 1
         chunk_positions[..., r, C - n :] = positions[..., r, S - n :]
         if held[r]:  # continue from the kept cache's own position (see `_KeptRow.last_position`)
-            shift = torch.tensor(kept[r].last_position) - positions[..., r, S - n - 1]
+            shift = torch.tensor(kept[r].last_position, device="cpu") - positions[..., r, S - n - 1]
             chunk_positions[..., r, C - n :] += shift[..., None]
     inputs = {"input_ids": chunk, "attention_mask": mask, "position_ids": chunk_positions}
     inputs.update(image_inputs(processor, new_images, cache, device))
@@ -991,10 +991,10 @@ def token_inputs(
     """Model inputs for rows given as token ids (image tokens already expanded) and their images:
     ids left padded, and `image_inputs` of the images (through `image_cache` if given)."""
     width = max(len(row) for row in ids)
-    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((len(ids), width), dtype=torch.long)
+    input_ids = torch.full((len(ids), width), pad_token_id, dtype=torch.long, device="cpu")
+    attention = torch.zeros((len(ids), width), dtype=torch.long, device="cpu")
     for r, row in enumerate(ids):
-        input_ids[r, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        input_ids[r, width - len(row) :] = torch.tensor(row, dtype=torch.long, device="cpu")
         attention[r, width - len(row) :] = 1
     vision = image_inputs(processor, images, image_cache, device or torch.device("cpu"))
     inputs = {"input_ids": input_ids, "attention_mask": attention, **vision}

@@ -1028,7 +1028,9 @@ class DeferredRewards:
             if self.batch.trajectories is not None and self.agent is not None:
                 shaped = self._shaped(rewards.results, list(range(len(self.batch))))
                 rewards.results = shaped
-                rewards.scores = torch.tensor([r.score for r in shaped], dtype=torch.float32)
+                rewards.scores = torch.tensor(
+                    [r.score for r in shaped], dtype=torch.float32, device=rewards.scores.device
+                )
             if self.reward_models is not None:
                 add_model_rewards(self.reward_models, self.batch, rewards)
             self.waited += time.monotonic() - start
