@@ -74,39 +74,22 @@ ZOOM_BOX = quarter_box(0, 256)
 """The box every call zooms into (the top left quarter's, on the 256x256 task image)."""
 
 
-def _slept_zoom(
-    name: str, bbox_2d: list[int], label: str, image_index: int, context: ToolContext
-) -> Observation:
-    time.sleep(TOOL_SECONDS[name])
-    return zoom_in(bbox_2d, label, image_index, context=context)
+def _slept_zoom(name: str) -> None:
+    """Register `name`: `zoom_in` (its signature and docstring, hence its schema) after sleeping
+    `TOOL_SECONDS[name]`."""
+
+    def tool(
+        bbox_2d: list[int], label: str = "", image_index: int = 0, *, context: ToolContext
+    ) -> Observation:
+        time.sleep(TOOL_SECONDS[name])
+        return zoom_in(bbox_2d, label, image_index, context=context)
+
+    tool.__doc__ = zoom_in.__doc__
+    register_tool(name)(tool)
 
 
-@register_tool("bench_fast_zoom")
-def bench_fast_zoom(
-    bbox_2d: list[int], label: str = "", image_index: int = 0, *, context: ToolContext
-) -> Observation:
-    """Zoom in on a region of an image: returns the region cropped and enlarged as a new image.
-
-    Args:
-        bbox_2d: The region as [x1, y1, x2, y2] in pixels of that image: (x1, y1) its top-left corner, (x2, y2) its bottom-right corner.
-        label: The name of the object in the region (optional).
-        image_index: Which image of the conversation to zoom into: 0 is the first image (the default), -1 the latest.
-    """
-    return _slept_zoom("bench_fast_zoom", bbox_2d, label, image_index, context)
-
-
-@register_tool("bench_slow_zoom")
-def bench_slow_zoom(
-    bbox_2d: list[int], label: str = "", image_index: int = 0, *, context: ToolContext
-) -> Observation:
-    """Zoom in on a region of an image: returns the region cropped and enlarged as a new image.
-
-    Args:
-        bbox_2d: The region as [x1, y1, x2, y2] in pixels of that image: (x1, y1) its top-left corner, (x2, y2) its bottom-right corner.
-        label: The name of the object in the region (optional).
-        image_index: Which image of the conversation to zoom into: 0 is the first image (the default), -1 the latest.
-    """
-    return _slept_zoom("bench_slow_zoom", bbox_2d, label, image_index, context)
+for _name in TOOL_SECONDS:
+    _slept_zoom(_name)
 
 
 def _always_calls(tool: str):

@@ -352,7 +352,7 @@ def test_observations_tokenized_together_are_the_ids_of_each_tokenized_alone(tin
         # (what observation_tokens did before: one processor call of its own, unpadded)
         from mmrl.models.chat_templates import observation_text
 
-        alone_ids, alone_images, alone_messages = observation_tokens(processor, [], turn)
+        alone_ids, alone_images, alone_messages = observation_tokens(processor, turn)
         assert ids == alone_ids and images == alone_images and messages == alone_messages
         text = observation_text(processor, messages)
         own = processor(text=[text], images=[images] if images else None, return_tensors="pt")

@@ -241,11 +241,7 @@ def _run_tools(rows: list[_Row], pending: list[tuple[int, Any]], limits: Any) ->
 
 
 def observation_tokens(
-    processor: Any,
-    calls: list,
-    observations: list,
-    call_format: str = "hermes",
-    image_cache: dict | None = None,
+    processor: Any, observations: list, image_cache: dict | None = None
 ) -> tuple[list[int], list[Image.Image], list[dict]]:
     """The token ids of one turn's observations (tool messages rendered by the chat template
     after an assistant turn, the next generation prompt included, image tokens expanded by the
@@ -550,9 +546,10 @@ def demonstration_batch(
             for r, texts in enumerate(turns)
             if k + 1 < len(texts)
         ]
-        for (r, calls), obs in zip(pending, _run_tools(rows, pending, limits) if pending else []):
-            ids, images, messages = observation_tokens(processor, calls, obs, agent.call_format)
-            rows[r].add_observation(ids, images, messages)
+        if pending:  # every row's observation of this turn tokenized at once, as the loop does
+            observed = observation_batch(processor, _run_tools(rows, pending, limits))
+            for (r, _), (ids, images, messages) in zip(pending, observed):
+                rows[r].add_observation(ids, images, messages)
     for row in rows:
         row.end("answer")
     return assemble(first, rows, processor, pad_token_id, agent)
