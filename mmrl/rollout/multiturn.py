@@ -26,6 +26,7 @@ in the first turn, an observation's when it is tokenized; their outputs are kept
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -336,8 +337,6 @@ def _finish(row: _Row, r: int, on_response: Callable[[int, str], None] | None, t
 
 
 def _with_max_new_tokens(params: Any, n: int) -> Any:
-    import dataclasses
-
     return dataclasses.replace(params, max_new_tokens=max(1, n))
 
 
@@ -416,8 +415,6 @@ def shape_results(results: list, trajectories: list[Trajectory], agent: AgentCon
     """The verifier results with the tools' part added (`agent_reward`) as new objects (the
     router's own results are shared between calls and are not changed). A verifier error
     stays as it is: nothing is added to an error result."""
-    import dataclasses
-
     out = []
     for result, trajectory in zip(results, trajectories):
         if result.error is not None:
