@@ -17,7 +17,16 @@ from typing import Any
 
 from PIL import Image
 
-from mmrl.types import IMAGE_PLACEHOLDER, AgentSpec, ImageError, ImageSource, RewardSpec, Sample, load_image
+from mmrl.types import (
+    IMAGE_PLACEHOLDER,
+    AgentSpec,
+    EnvSpec,
+    ImageError,
+    ImageSource,
+    RewardSpec,
+    Sample,
+    load_image,
+)
 
 _BASE64 = re.compile(r"[A-Za-z0-9+/=\s]+")
 
@@ -239,9 +248,11 @@ def _check_agent(agent: Any, fail) -> AgentSpec | None:
             raise fail("agent", f"not valid JSON: {exc}") from None
     if not isinstance(agent, dict):
         raise fail("agent", f"must be an object, got {type(agent).__name__}")
-    unknown = sorted(set(agent) - {"tools", "max_turns", "max_tokens", "max_images"})
+    unknown = sorted(set(agent) - {"tools", "max_turns", "max_tokens", "max_images", "env"})
     if unknown:
-        raise fail(f"agent.{unknown[0]}", "unknown field (known: tools, max_turns, max_tokens, max_images)")
+        raise fail(
+            f"agent.{unknown[0]}", "unknown field (known: tools, max_turns, max_tokens, max_images, env)"
+        )
     tools = agent.get("tools") or []
     if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
         raise fail("agent.tools", f"must be a list of tool names, got {tools!r}")
@@ -257,7 +268,31 @@ def _check_agent(agent: Any, fail) -> AgentSpec | None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
             raise fail(f"agent.{name}", f"must be an integer >= {low}, got {value!r}")
         limits[name] = value
-    return AgentSpec(tools=list(tools), **limits)
+    env = _check_env(agent.get("env"), fail)
+    return AgentSpec(tools=list(tools), env=env, **limits)
+
+
+def _check_env(env: Any, fail) -> EnvSpec | None:
+    """The record's `agent.env`: `{"id": ..., "kwargs": {...}, "seed": int}`."""
+    if env is None:
+        return None
+    if isinstance(env, str):
+        env = {"id": env}
+    if not isinstance(env, dict):
+        raise fail("agent.env", f"must be an object with an 'id', got {type(env).__name__}")
+    unknown = sorted(set(env) - {"id", "kwargs", "seed"})
+    if unknown:
+        raise fail(f"agent.env.{unknown[0]}", "unknown field (known: id, kwargs, seed)")
+    env_id = env.get("id")
+    if not isinstance(env_id, str) or not env_id:
+        raise fail("agent.env.id", f"must be an environment name, got {env_id!r}")
+    kwargs = env.get("kwargs") or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise fail("agent.env.kwargs", f"must be an object of keyword arguments, got {kwargs!r}")
+    seed = env.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise fail("agent.env.seed", f"must be an integer >= 0, got {seed!r}")
+    return EnvSpec(id=env_id, kwargs=dict(kwargs), seed=seed)
 
 
 def _check_reward(reward: Any, fail) -> RewardSpec:

@@ -48,6 +48,27 @@ class RewardSpec:
 
 
 @dataclass
+class EnvSpec:
+    """The environment a sample's trajectory acts in (the record's `agent.env`): each model turn
+    is an action, each observation (image and text) the next user turn, the reward the env's."""
+
+    id: str
+    """A registered environment name (`mmrl.environments.env_names()`) or a Gymnasium id."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the environment's constructor (`gymnasium.make(id, **kwargs)`)."""
+    seed: int | None = None
+    """The seed of the episode's `reset(seed=...)`; None: the trajectory's row seed."""
+
+    def to_record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id}
+        if self.kwargs:
+            out["kwargs"] = dict(self.kwargs)
+        if self.seed is not None:
+            out["seed"] = self.seed
+        return out
+
+
+@dataclass
 class AgentSpec:
     """A sample's tools and the limits of its multi-turn trajectory: the record's `agent` field,
     beside `reward_model` (V-Triune style: samples with and without tools mix in one batch).
@@ -61,12 +82,16 @@ class AgentSpec:
     """Most response tokens, the model's and the observations' together."""
     max_images: int | None = None
     """Most observation images added to the trajectory (the prompt's are not counted)."""
+    env: EnvSpec | None = None
+    """The environment the trajectory acts in; None: tools only (or a single turn)."""
 
     def to_record(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tools": list(self.tools)}
         for name in ("max_turns", "max_tokens", "max_images"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.env is not None:
+            out["env"] = self.env.to_record()
         return out
 
 
