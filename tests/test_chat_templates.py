@@ -257,3 +257,83 @@ def test_tiny_real_vocab_vlm_forward():
         logits = model(**batch).logits
     assert logits.shape == (1, batch["input_ids"].shape[1], QWEN_EMBEDDING_ROWS)
     assert torch.isfinite(logits).all()
+
+
+# Qwen2-VL-7B-Instruct's own chat template (chat_template.json; Qwen2.5-VL ships the same): no
+# tool section, a default system line, `add_vision_id` numbering.
+QWEN2_VL_OWN_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _with_own_template(template: str):
+    import copy
+
+    processor = copy.deepcopy(build_qwen_vocab_processor())  # (the built one is shared)
+    processor.chat_template = template
+    processor.tokenizer.chat_template = template
+    return processor
+
+
+def test_a_qwen2_vl_checkpoints_template_gets_mmrls_tool_section_and_renders_the_rest_unchanged():
+    """A real Qwen2-VL checkpoint's template ignores `tools=` (the schemas would silently vanish)
+    and renders a `tool` message as an untrained role: `ensure_tool_template` swaps in mmrl's
+    tool template, which renders every conversation without tools exactly as the model's own."""
+    from mmrl.models.chat_templates import ensure_tool_template
+
+    processor = _with_own_template(QWEN2_VL_OWN_TEMPLATE)
+    assert "# Tools" not in render(processor, CONVERSATION[1:2], TOOLS)  # the schemas would vanish
+    no_tools = [
+        CONVERSATION[1:2],
+        CONVERSATION[:2],
+        [CONVERSATION[1], {"role": "assistant", "content": "A box."}, {"role": "user", "content": "Colour?"}],
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "image"}]}],
+    ]
+    before = [render(processor, m, add_generation_prompt=g) for m in no_tools for g in (False, True)]
+    assert ensure_tool_template(processor) == "mmrl"
+    assert processor.tokenizer.chat_template == processor.chat_template != QWEN2_VL_OWN_TEMPLATE
+    assert [render(processor, m, add_generation_prompt=g) for m in no_tools for g in (False, True)] == before
+    # with tools: Qwen2.5's hermes section after the model's default system line (as veRL's template)
+    text = render(processor, CONVERSATION[1:2], TOOLS, add_generation_prompt=True)
+    assert text.startswith(
+        "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one or more functions"
+    )
+    assert '{"type": "function", "function": {"name": "zoom"' in text
+    assert observation_text(processor, [CONVERSATION[4]]).startswith("\n<|im_start|>user\n<tool_response>\n")
+    # token-in/token-out holds with it on the real vocabulary
+    template = processor.chat_template
+    prompt_ids, response_ids = _rollout_ids(processor, CONVERSATION, template=template)
+    assert tokenization_drift(processor, prompt_ids, response_ids, CONVERSATION, TOOLS, template=template)[
+        "equal"
+    ]
+    assert ensure_tool_template(processor) == "own"  # done once
+
+
+def test_a_template_that_reads_tools_is_kept_and_an_unknown_one_is_left_with_a_warning(caplog):
+    from mmrl.models.chat_templates import ensure_tool_template
+
+    processor = _with_own_template(QWEN_TOOL_TEMPLATE)
+    assert ensure_tool_template(processor) == "own" and processor.chat_template == QWEN_TOOL_TEMPLATE
+    other = "{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+    processor = _with_own_template(other)
+    with caplog.at_level("WARNING", logger="mmrl.models.chat_templates"):
+        assert ensure_tool_template(processor) == "none"
+    assert processor.chat_template == other
+    assert "tool schemas are not shown to the model" in caplog.text
+    # mmrl's tiny bases have no tool section by design: said at info level, not as a warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mmrl.models.chat_templates"):
+        assert ensure_tool_template(build_processor(TinyVLMSpec())) == "none"
+    assert caplog.text == ""

@@ -325,3 +325,66 @@ def test_mmrl_eval_names_metrics_skipped_for_a_missing_package_on_the_console(tm
     assert command.run_eval_command(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == f"2 queries skipped: {error}"
+
+
+def test_mmrl_eval_with_tools_runs_trajectories_and_reports_turn_and_tool_figures(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    """`--tools`: each query is a multi-turn trajectory through the training loop (here every turn
+    reads as a zoom_in call, `plugin_always_zoom`, so the tool really runs each turn), scored on
+    its last turn; results, records and the console carry the same turn and tool figures as the
+    trainer's `agent/*` metrics, and a re-run resumes without generating."""
+    import torch
+
+    import mmrl.models.loading as loading
+    import tests.plugins.multiturn_formats  # noqa: F401 - registers plugin_always_zoom
+
+    # The saved tiny model, its LM head biased to its stop token, so that greedy turns end on it
+    # (a random model's turns run to the length limit, and a cut turn ends its trajectory).
+    real_load = loading.load_inference_policy
+
+    def load_biased(path, *args, **kwargs):
+        policy = real_load(path, *args, **kwargs)
+        old = policy.model.lm_head
+        head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(old.weight)
+            head.bias.zero_()
+            head.bias[policy.stop_token_ids[0]] = 50.0
+        policy.model.lm_head = head
+        return policy
+
+    monkeypatch.setattr(loading, "load_inference_policy", load_biased)
+    suite = write_builtin_suite(tmp_path / "builtin", queries_per_task=2)
+    out = tmp_path / "out"
+    argv = ["--suite", str(suite), "--model", str(tiny_model_dir), "--output", str(out)]
+    argv += ["--max-queries", "1", "--max-new-tokens", "4", "--batch-size", "16", "--no-progress"]
+    argv += ["--tools", "zoom_in", "--call-format", "plugin_always_zoom", "--max-turns", "3"]
+    assert run_eval_command(_parse(argv)) == 0
+    printed = capsys.readouterr().out
+    assert "tools zoom_in: 3.00 turns and 2.00 calls per query, tool-call rate 100.0%" in printed
+    results = json.loads((out / "results.json").read_text())
+    agent = results["summary"]["agent"]
+    # Every trajectory: 3 turns, the calls of turns 1 and 2 run (the last turn's is not), ended
+    # on max_turns; each zoom's crop came back as tokens.
+    assert agent["turns"] == 3 and agent["tool_calls"] == 2 and agent["tool_call_rate"] == 1
+    assert agent["end_max_turns"] == 1 and agent["end_answer"] == 0 and agent["tool_error_rate"] == 0
+    assert agent["observation_tokens"] > 0
+    assert all(t["agent"]["turns"] == 3 for t in results["tasks"])
+    records = [json.loads(line) for line in (out / "queries.jsonl").read_text().splitlines()]
+    assert len(records) == len(BUILTIN_TASKS)
+    assert all(r["agent"]["termination"] == "max_turns" and r["agent"]["tool_calls"] == 2 for r in records)
+    assert "## Tool use (zoom_in)" in (out / "results.md").read_text()
+    # A re-run resumes from the records: nothing generated, the same figures.
+    assert run_eval_command(_parse(argv)) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["generated"] == 0 and again["summary"]["agent"] == agent
+
+
+def test_mmrl_eval_refuses_an_unknown_tool_or_call_format_before_loading_the_model(tmp_path, capsys):
+    suite = _write_suite(tmp_path / "suite")
+    argv = ["--suite", str(suite), "--model", str(tmp_path / "no-model"), "--output", str(tmp_path / "o")]
+    argv += ["--tools", "zoom_in", "no_such_tool", "--call-format", "no_such_format", "--no-progress"]
+    assert run_eval_command(_parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert "unknown tool 'no_such_tool'" in err and "unknown call format 'no_such_format'" in err

@@ -66,6 +66,9 @@ class TaskResult:
     """Field scores that raised (scored 0, the error kept in the query record)."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Keywords (skills, input_format, ...) for breakdowns."""
+    agent: dict[str, float] | None = None
+    """Turn and tool figures of its scored queries when they ran with tools
+    (`mmrl.rollout.multiturn.trajectory_summary`), else None."""
 
 
 def _mean(values: list[float]) -> float | None:

@@ -59,6 +59,24 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         "(default); corrected: mmrl's fixes of its quirks (see mmrl/eval/metrics.py), not comparable",
     )
     parser.add_argument(
+        "--tools",
+        nargs="+",
+        metavar="NAME",
+        default=[],
+        help="tools every query may call (e.g. zoom_in): multi-turn responses, with turn and tool figures",
+    )
+    parser.add_argument(
+        "--max-turns",
+        type=int,
+        default=d.max_turns,
+        help=f"most model turns per query with --tools (default {d.max_turns})",
+    )
+    parser.add_argument(
+        "--call-format",
+        default=d.call_format,
+        help=f"how the model writes tool calls with --tools (default {d.call_format})",
+    )
+    parser.add_argument(
         "--overwrite", action="store_true", help="discard cached results in the output folder"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -110,6 +128,9 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         pass_temperature=args.temperature,
         base_model=args.base,
         scoring=args.scoring,
+        tools=tuple(args.tools),
+        max_turns=args.max_turns,
+        call_format=args.call_format,
     )
 
 
@@ -145,6 +166,21 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
         if cfg.output_dir and (busy := RunDirLock(cfg.output_dir, "mmrl eval", option="--output").in_use()):
             report.add("--output", busy)
+        if cfg.tools:
+            from mmrl.environments import tool_names
+
+            for name in cfg.tools:
+                if name not in tool_names():
+                    report.add("--tools", f"unknown tool {name!r} (known: {', '.join(tool_names())})")
+            from mmrl.environments import call_format_names
+
+            if cfg.call_format not in call_format_names():
+                report.add(
+                    "--call-format",
+                    f"unknown call format {cfg.call_format!r} (known: {', '.join(call_format_names())})",
+                )
+            if cfg.max_turns < 1:
+                report.add("--max-turns", f"must be at least 1, got {cfg.max_turns}")
         if report.problems:
             return report.print("eval")
         result = run_suite(args.model, suite, cfg)
@@ -161,6 +197,13 @@ def run_eval_command(args: argparse.Namespace) -> int:
                 missing[skip["error"]] = missing.get(skip["error"], 0) + 1
         for error, n in sorted(missing.items()):
             print(f"{n} queries skipped: {error}")
+        if s.get("agent"):
+            a = s["agent"]
+            print(
+                f"tools {', '.join(s['tools'])}: {a['turns']:.2f} turns and {a['tool_calls']:.2f} calls per query, "
+                f"tool-call rate {_fmt(a['tool_call_rate'])}%, errors {_fmt(a['tool_error_rate'])}% of calls, "
+                f"time-outs {_fmt(a['tool_timeout_rate'])}%, {a['observation_tokens']:.0f} observation tokens"
+            )
         if cfg.pass_k > 0:
             from mmrl.eval.curves import pass_at_k_report
 

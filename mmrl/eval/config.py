@@ -45,6 +45,14 @@ class EvalConfig:
     """A sample counts as correct for pass@k when its query score is at least this."""
     base_model: str | None = None
     """Base checkpoint whose pass@k curve is drawn beside the model's (does RL widen or sharpen?)."""
+    tools: tuple[str, ...] = ()
+    """Tools every query may call (registered names, e.g. `zoom_in`): each response is then a
+    multi-turn trajectory (`mmrl.rollout.multiturn`) scored on its last turn, and the results
+    add turn and tool figures per task (`agent`). Empty: one turn, no tools."""
+    max_turns: int = 4
+    """Most model turns per query when `tools` are given (a call in the last turn is not run)."""
+    call_format: str = "hermes"
+    """How tool calls are written (`agent.call_format`: Qwen's hermes `<tool_call>` by default)."""
     scoring: str = "megabench"
     """`megabench`: MEGA-Bench's own parsers, metrics and aggregation, quirks included (scores comparable
     to published ones); `corrected`: mmrl's fixes of those quirks (`mmrl.eval.metrics`)."""

@@ -38,12 +38,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mmrl.config import AgentConfig
 from mmrl.eval.aggregate import TaskResult, aggregate_query, keyword_breakdown, summarize, task_score
 from mmrl.eval.config import EvalConfig
 from mmrl.eval.metrics import FieldContext, Judge, score_field
 from mmrl.eval.parsers import parse_response, unquote
 from mmrl.eval.suite import Query, Suite, SuiteError, Task, _sha1, load_suite
-from mmrl.types import RewardSpec, Sample
+from mmrl.types import AgentSpec, RewardSpec, Sample, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +176,11 @@ def as_engine(model: Any, batch_size: int = 8):
     raise TypeError(f"expected a model path, a Policy or a rollout engine, got {type(model).__name__}")
 
 
-def query_sample(task: Task, query: Query) -> Sample:
-    """The rollout engine's view of a query (images decoded now; reward fields unused)."""
+def query_sample(
+    task: Task, query: Query, tools: tuple[str, ...] = (), max_turns: int | None = None
+) -> Sample:
+    """The rollout engine's view of a query (images decoded now; reward fields unused); with
+    `tools`, a multi-turn sample that may call them."""
     text, media = task.prompt(query)
     return Sample(
         data_source=f"eval/{task.name}",
@@ -185,7 +189,22 @@ def query_sample(task: Task, query: Query) -> Sample:
         ability="eval",
         reward_model=RewardSpec(ground_truth="", verifier="math"),
         extra_info={"id": f"{task.name}/{query.idx}"},
+        agent=AgentSpec(tools=list(tools), max_turns=max_turns) if tools else None,
     )
+
+
+TRAJECTORY_FIELDS = ("turns", "tool_calls", "tool_errors", "observation_tokens", "termination")
+"""What a query's record keeps of its trajectory when it ran with tools (`rec["agent"]`)."""
+
+
+def agent_summary(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """`trajectory_summary` of the records that ran with tools, or None if none did."""
+    from mmrl.rollout.multiturn import trajectory_summary
+
+    kept = [r["agent"] for r in records if r.get("agent")]
+    if not kept:
+        return None
+    return trajectory_summary([Trajectory(**{k: a[k] for k in TRAJECTORY_FIELDS}) for a in kept])
 
 
 def media_problem(task: Task, query: Query) -> str | None:
@@ -369,6 +388,8 @@ def _run_suite(
                 skipped.append({"task": task.name, "query_idx": q.idx, "reason": task_reason})
                 continue
             prompt_key = _sha1([task.fingerprint(q), cfg.max_new_tokens])
+            if cfg.tools:  # (without tools the key is what it always was: earlier caches stay valid)
+                prompt_key = _sha1([prompt_key, list(cfg.tools), cfg.max_turns, cfg.call_format])
             score_key = _sha1([task.score_fingerprint(q), cfg.scoring])
             if task.eval_type == "open":  # another judge re-scores
                 score_key = _sha1([score_key, judge_id])
@@ -383,11 +404,15 @@ def _run_suite(
                 continue
             to_generate.append((task, q, prompt_key, score_key))
 
-    def record(task: Task, q: Query, prompt_key: str, score_key: str, response: str) -> None:
+    def record(
+        task: Task, q: Query, prompt_key: str, score_key: str, response: str, agent: dict | None = None
+    ) -> None:
         from mmrl.eval.megabench import MetricUnavailable
 
         rec = {"task": task.name, "query_idx": q.idx, "prompt_key": prompt_key, "score_key": score_key}
         rec["response"] = response
+        if agent is not None:
+            rec["agent"] = agent
         try:
             rec.update(score_response(task, q, response, judge, cfg.scoring))
         except MetricUnavailable as exc:
@@ -406,16 +431,23 @@ def _run_suite(
     )
     engine = as_engine(model, cfg.batch_size) if to_generate else None
     params = SamplingParams(n=1, greedy=True, max_new_tokens=cfg.max_new_tokens)
+    # With tools, each turn may use max_new_tokens and the whole trajectory max_turns of them
+    # (observations included); the tools' own limits are the training defaults (`agent.*`).
+    agent_cfg = AgentConfig(
+        max_turns=cfg.max_turns,
+        max_tokens=cfg.max_turns * cfg.max_new_tokens + 4096,
+        call_format=cfg.call_format,
+    )
     total = len(to_generate) + len(to_score)
     with tqdm(total=total, desc="eval", disable=not cfg.progress or total == 0, dynamic_ncols=True) as bar:
         for task, q, pk, sk, rec in to_score:
-            record(task, q, pk, sk, rec["response"])
+            record(task, q, pk, sk, rec["response"], rec.get("agent"))
             bar.update(1)
         for start in range(0, len(to_generate), max(cfg.batch_size, 1)):
             chunk, samples = [], []
             for task, q, pk, sk in to_generate[start : start + cfg.batch_size]:
                 try:
-                    samples.append(query_sample(task, q))
+                    samples.append(query_sample(task, q, cfg.tools, cfg.max_turns))
                 except Exception as exc:  # noqa: BLE001 - a corrupt image skips its query
                     skipped.append(
                         {
@@ -428,9 +460,16 @@ def _run_suite(
                     continue
                 chunk.append((task, q, pk, sk))
             if samples:
-                texts = engine.generate(samples, params).texts
-                for (task, q, pk, sk), text in zip(chunk, texts):
-                    record(task, q, pk, sk, text)
+                if cfg.tools:
+                    from mmrl.rollout.multiturn import generate_trajectories
+
+                    batch = generate_trajectories(engine, samples, params, agent_cfg)
+                else:
+                    batch = engine.generate(samples, params)
+                trajectories = getattr(batch, "trajectories", None) or [None] * len(chunk)
+                for (task, q, pk, sk), text, traj in zip(chunk, batch.texts, trajectories):
+                    kept = None if traj is None else {k: getattr(traj, k) for k in TRAJECTORY_FIELDS}
+                    record(task, q, pk, sk, text, kept)
                 generated += len(chunk)
             bar.update(len(to_generate[start : start + cfg.batch_size]))
 
@@ -454,12 +493,18 @@ def _run_suite(
                 parse_failures=sum(1 for r in recs if not r["parse_ok"]),
                 field_errors=sum(len(r["field_errors"]) for r in recs),
                 metadata=task.metadata,
+                agent=agent_summary(recs),
             )
         )
     for reason, n in summarize(results)["skipped"].items():
         log.warning("skipped %d queries: %s", n, reason)
+    summary = {"suite": suite.path, "model": model_id, "scoring": cfg.scoring, **summarize(results)}
+    if cfg.tools:
+        all_recs = [cache.get(t.name, q.idx) for t, qs in selected for q in qs]
+        summary["tools"] = list(cfg.tools)
+        summary["agent"] = agent_summary([r for r in all_recs if r is not None])
     result = EvalResult(
-        summary={"suite": suite.path, "model": model_id, "scoring": cfg.scoring, **summarize(results)},
+        summary=summary,
         tasks=results,
         breakdown=keyword_breakdown(results),
         skipped_queries=skipped,
@@ -510,6 +555,23 @@ def results_markdown(result: EvalResult) -> str:
             f"| {t.name} | {t.eval_type.capitalize()} | {_fmt(t.score)} | {t.num_scored} / {t.num_queries} | "
             f"{t.parse_failures} | {skipped} |"
         )
+    agent_tasks = [t for t in result.tasks if t.agent]
+    if agent_tasks:
+        lines += [
+            "",
+            f"## Tool use ({', '.join(s.get('tools', []))})",
+            "",
+            "| task | turns | tool calls | tool-call rate | error rate | time-outs | observation tokens | "
+            "ended on an answer |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for t in agent_tasks:
+            a = t.agent
+            lines.append(
+                f"| {t.name} | {a['turns']:.2f} | {a['tool_calls']:.2f} | {_fmt(a['tool_call_rate'])} | "
+                f"{_fmt(a['tool_error_rate'])} | {_fmt(a['tool_timeout_rate'])} | "
+                f"{a['observation_tokens']:.0f} | {_fmt(a['end_answer'])} |"
+            )
     if s["skipped"]:
         lines += ["", "Skipped queries: " + ", ".join(f"{k} {v}" for k, v in sorted(s["skipped"].items()))]
     for dim, keywords in result.breakdown.items():

@@ -31,10 +31,14 @@ actually saw, to catch a template or an observation builder that does not follow
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from mmrl.models.tokenizer import QWEN_IMAGE, QWEN_VIDEO
+
+log = logging.getLogger(__name__)
 
 IM_END = "<|im_end|>"
 """The stop token that ends every turn of the Qwen templates."""
@@ -67,14 +71,17 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def qwen_tool_template(image: str = QWEN_IMAGE, video: str = QWEN_VIDEO, default_system: str = "") -> str:
+def qwen_tool_template(
+    image: str = QWEN_IMAGE, video: str = QWEN_VIDEO, default_system: str = "", system_without_tools: str = ""
+) -> str:
     """Qwen2-VL's chat template with Qwen2.5's hermes tool section.
 
     - `tools` given: a system turn `[system message content + "\\n\\n" |
       default_system + "\\n\\n"] + TOOLS_PREAMBLE + one JSON line per tool + TOOLS_POSTAMBLE`,
       as Qwen2.5 renders it (Qwen2.5's own default is `QWEN2_5_DEFAULT_SYSTEM`; here none, so
       the tiny byte-level models are not drowned by it). No tools: the system message, if any,
-      verbatim; no default.
+      verbatim; else `system_without_tools` as the system turn if given (Qwen2-VL's own
+      template always writes "You are a helpful assistant."), else none.
     - assistant turns verbatim: the content string (the model's text as generated, including any
       `<tool_call>` blocks it wrote), then one hermes block per entry of a `tool_calls` field
       (OpenAI style, `{"function": {"name", "arguments"}}` or `{"name", "arguments"}`;
@@ -112,7 +119,12 @@ def qwen_tool_template(image: str = QWEN_IMAGE, video: str = QWEN_VIDEO, default
         f"{{{{- {_literal(TOOLS_POSTAMBLE + IM_END + chr(10))} -}}}}"
         "{%- elif messages[0]['role'] == 'system' -%}"
         "{{- '<|im_start|>system\\n' + render_content(messages[0]['content']) + '<|im_end|>\\n' -}}"
-        "{%- endif -%}"
+        + (
+            f"{{%- else -%}}{{{{- {_literal('<|im_start|>system' + chr(10) + system_without_tools + IM_END + chr(10))} -}}}}"
+            if system_without_tools
+            else ""
+        )
+        + "{%- endif -%}"
         # -- the turns
         "{%- for message in messages -%}"
         "{%- if message['role'] == 'system' and loop.first -%}"
@@ -141,6 +153,73 @@ def qwen_tool_template(image: str = QWEN_IMAGE, video: str = QWEN_VIDEO, default
 
 
 QWEN_TOOL_TEMPLATE = qwen_tool_template()
+
+QWEN2_VL_DEFAULT_SYSTEM = "You are a helpful assistant."
+"""The system turn Qwen2-VL's and Qwen2.5-VL's own templates write when a conversation has none."""
+
+
+def handles_tools(template: str) -> bool:
+    """Whether a chat template reads the `tools` variable (else tool schemas passed to it vanish)."""
+    return re.search(r"\btools\b", template) is not None
+
+
+def ensure_tool_template(processor: Any) -> str:
+    """Make `processor` (and its tokenizer) render tools, before a tool-using rollout.
+
+    Qwen2-VL's and Qwen2.5-VL's own templates have no tool section: `tools=` is ignored, so the
+    model would never see the tool schemas, and a `tool` message renders as an untrained
+    `<|im_start|>tool` turn. For such a template (recognised by Qwen's vision markers and its
+    default system line), `qwen_tool_template` replaces it, keeping what the model's own
+    template writes for conversations without tools (the default system line included), and
+    adding Qwen2.5's hermes tool section with that default line ahead of the tools, as veRL's
+    template does. Returns what was done:
+
+    - `"own"`: the template already reads `tools` (the model's own is used);
+    - `"mmrl"`: mmrl's tool template was installed (logged once);
+    - `"none"`: any other template without a tool section (e.g. mmrl's built-in tiny bases,
+      trained without schemas in the prompt): left as it is, with a warning that the schemas are
+      not shown to the model, which then knows its tools only from training."""
+    template = _template_of(processor, None)
+    if handles_tools(template):
+        return "own"
+    if "<|im_start|>" in template and QWEN_IMAGE in template and QWEN2_VL_DEFAULT_SYSTEM in template:
+        new = qwen_tool_template(
+            default_system=QWEN2_VL_DEFAULT_SYSTEM, system_without_tools=QWEN2_VL_DEFAULT_SYSTEM
+        )
+        processor.chat_template = new
+        tokenizer = _tokenizer_of(processor)
+        if tokenizer is not processor:
+            tokenizer.chat_template = new
+        log.info(
+            "the model's chat template (Qwen2-VL style) has no tool section: using mmrl's "
+            "(mmrl.models.chat_templates.qwen_tool_template; unchanged for prompts without tools)"
+        )
+        return "mmrl"
+    if template not in _WARNED:
+        _WARNED.add(template)
+        (log.info if _is_tiny_template(template) else log.warning)(
+            "%s has no tool section: tool schemas are not shown to the model (it knows its tools only "
+            "from training); give the model a chat template that reads `tools` to show them",
+            _describe(template),
+        )
+    return "none"
+
+
+_WARNED: set[str] = set()
+
+
+def _is_tiny_template(template: str) -> bool:
+    """Whether `template` is `mmrl.models.tokenizer.chat_template` with some image and video
+    placeholders (the built-in tiny bases': no tool section by design, so not worth a warning)."""
+    from mmrl.models.tokenizer import chat_template
+
+    pos = 0
+    for part in re.split("[\x00\x01]", chat_template("\x00", "\x01")):
+        pos = template.find(part, pos)
+        if pos < 0:
+            return False
+        pos += len(part)
+    return True
 
 
 def _tokenizer_of(tokenizer_or_processor: Any) -> Any:

@@ -37,6 +37,7 @@ import torch
 from PIL import Image
 
 from mmrl.config import AgentConfig
+from mmrl.models.chat_templates import ensure_tool_template
 from mmrl.types import RolloutBatch, Sample, Trajectory
 
 LIMIT_ENDS = ("length", "max_turns", "token_budget", "image_budget")
@@ -104,6 +105,7 @@ def generate_trajectories(
     if not uses_tools(samples) or getattr(engine, "runs_trajectories", False):
         return engine.generate(samples, params, on_response=on_response)  # (Ray: each worker loops)
     processor = engine.processor
+    ensure_tool_template(processor)  # (a Qwen2-VL checkpoint's own template has no tool section)
     # What the engine keeps between turns (the HF engine: key/value caches and every image's
     # processor output); each image goes through the image processor once per call either way.
     turns = engine.turn_cache() if callable(getattr(engine, "turn_cache", None)) else None
@@ -429,11 +431,34 @@ def shape_results(results: list, trajectories: list[Trajectory], agent: AgentCon
     return out
 
 
+def trajectory_summary(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Turn and tool figures of a set of trajectories (the `agent/*` metrics of training and
+    the `agent` block of `mmrl eval`): turns, tool calls and observation tokens per trajectory,
+    tool error and time-out rates (per call), termination reasons (fractions) and the tool-call
+    rate (trajectories with a call)."""
+    n = max(1, len(trajectories))
+    calls = sum(t.tool_calls for t in trajectories)
+    errors: Counter = Counter()
+    for t in trajectories:
+        errors.update(t.tool_errors)
+    out = {
+        "turns": sum(t.turns for t in trajectories) / n,
+        "tool_calls": calls / n,
+        "tool_call_rate": sum(t.tool_calls > 0 for t in trajectories) / n,
+        "observation_tokens": sum(t.observation_tokens for t in trajectories) / n,
+        "tool_error_rate": sum(errors.values()) / calls if calls else 0.0,
+        "tool_timeout_rate": errors.get("timeout", 0) / calls if calls else 0.0,
+    }
+    ends = Counter(t.termination for t in trajectories)
+    for reason in ("answer",) + LIMIT_ENDS:
+        out[f"end_{reason}"] = ends.get(reason, 0) / n
+    return out
+
+
 def trajectory_metrics(batch: RolloutBatch, group_size: int) -> dict[str, float]:
-    """`agent/` metrics of a multi-turn batch, overall and per data source: turns, tool calls and
-    observation tokens per trajectory, tool error and time-out rates (per call), termination
-    reasons (fractions), the tool-call rate (trajectories with a call) and the groups' lowest
-    tool-call rate (`agent/group_tool_call_rate_min`: a collapse to zero shows here first)."""
+    """`agent/` metrics of a multi-turn batch, overall and per data source
+    (`trajectory_summary`), and the groups' lowest tool-call rate
+    (`agent/group_tool_call_rate_min`: a collapse to zero shows here first)."""
     if batch.trajectories is None:
         return {}
     by_source: dict[str, list[int]] = defaultdict(list)
@@ -443,21 +468,8 @@ def trajectory_metrics(batch: RolloutBatch, group_size: int) -> dict[str, float]
     for suffix, rows in [("", list(range(len(batch))))] + [
         (f"/{k}", v) for k, v in sorted(by_source.items())
     ]:
-        trajs = [batch.trajectories[i] for i in rows]
-        n = len(trajs)
-        calls = sum(t.tool_calls for t in trajs)
-        errors = Counter()
-        for t in trajs:
-            errors.update(t.tool_errors)
-        out[f"agent/turns{suffix}"] = sum(t.turns for t in trajs) / n
-        out[f"agent/tool_calls{suffix}"] = calls / n
-        out[f"agent/tool_call_rate{suffix}"] = sum(t.tool_calls > 0 for t in trajs) / n
-        out[f"agent/observation_tokens{suffix}"] = sum(t.observation_tokens for t in trajs) / n
-        out[f"agent/tool_error_rate{suffix}"] = sum(errors.values()) / calls if calls else 0.0
-        out[f"agent/tool_timeout_rate{suffix}"] = errors.get("timeout", 0) / calls if calls else 0.0
-        ends = Counter(t.termination for t in trajs)
-        for reason in ("answer",) + LIMIT_ENDS:
-            out[f"agent/end_{reason}{suffix}"] = ends.get(reason, 0) / n
+        summary = trajectory_summary([batch.trajectories[i] for i in rows])
+        out.update({f"agent/{k}{suffix}": v for k, v in summary.items()})
     G = max(1, group_size)
     rates = [
         sum(t.tool_calls > 0 for t in batch.trajectories[g : g + G]) / len(batch.trajectories[g : g + G])
