@@ -17,7 +17,7 @@ from mmrl.config import task_names
 COMMANDS = ("train", "check", "convert", "serve", "eval")
 
 TRAIN_EPILOG = """\
-main options (any config field can be set as key=value; see configs/<task>.yaml):
+main options (any config field can be set as key=value, before or after the options; see configs/<task>.yaml):
   trainer.total_steps=N       RL steps
   trainer.prompts_per_step=B  prompts per step
   rollout.group_size=G        responses per prompt
@@ -184,10 +184,41 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def is_override(word: str) -> bool:
+    """A `key=value` config override (not an option such as `--config=FILE`)."""
+    key, eq, _ = word.partition("=")
+    return bool(eq) and bool(key) and not word.startswith("-")
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed, with `key=value` overrides taken in any position among the options (as
+    veRL and EasyR1 take them): `mmrl check --task T --resume auto trainer.total_steps=2`.
+
+    argparse gives a `nargs="*"` positional only its first run of words; the overrides after an
+    option come back unrecognized, and are appended here in the order they were written (a later
+    override of the same key wins). Anything else unrecognized is an error shown with the
+    subcommand's own usage."""
+    args, extras = parser.parse_known_args(argv)
+    if hasattr(args, "overrides"):
+        args.overrides = list(args.overrides) + [w for w in extras if is_override(w)]
+        extras = [w for w in extras if not is_override(w)]
+    if extras:
+        _subcommand_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The parser of `command` (for its usage line in errors); `parser` itself when none."""
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public way to reach them
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:  # noqa: SLF001
+            return action.choices[command]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(chosen_command(argv))
-    args = parser.parse_args(argv)
+    args = parse_command_line(parser, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
