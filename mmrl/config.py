@@ -233,6 +233,14 @@ class AgentConfig:
     """Weight of the tools' own rewards (veRL `calc_reward`) in the score."""
     tool_bonus: float = 1.0
     """DeepEyes' tool bonus (`reward=deepeyes`)."""
+    env_reward_weight: float = 1.0
+    """Weight of an environment's return in the score of a sample that acts in one (`agent.env`
+    in its record): score = verifier score + `env_reward_weight` x return."""
+    turn_discount: float = 1.0
+    """Discount of an environment's per-turn rewards in its return, sum_t turn_discount^t r_t
+    (1: the episode's undiscounted return, as Gymnasium reports it)."""
+    env_timeout_s: float = 10.0
+    """Time limit of one environment reset or step; past it the trajectory ends (`env_timeout`)."""
     plugins: list[str] = field(default_factory=list)
     """Modules to import wherever tools run (this process, and each Ray rollout worker) before
     the first trajectory: they register your tools and call formats (`mmrl.environments`)."""
@@ -692,6 +700,8 @@ def agent_checks(a: AgentConfig) -> list[tuple[bool, str]]:
         (a.max_tool_text_chars >= 1, f"agent.max_tool_text_chars must be >= 1, got {a.max_tool_text_chars}"),
         (a.max_calls_per_turn >= 1, f"agent.max_calls_per_turn must be >= 1, got {a.max_calls_per_turn}"),
         (a.over_limit in ("score", "mask"), f"agent.over_limit must be score or mask, got {a.over_limit!r}"),
+        (0 <= a.turn_discount <= 1, f"agent.turn_discount must be in [0, 1], got {a.turn_discount}"),
+        (a.env_timeout_s > 0, f"agent.env_timeout_s must be > 0, got {a.env_timeout_s}"),
         (
             a.reward in ("weighted", "deepeyes"),
             f"agent.reward must be weighted or deepeyes, got {a.reward!r}",

@@ -398,7 +398,20 @@ class Trajectory:
     """Sum of the tools' own rewards (veRL `calc_reward`)."""
     termination: str = "answer"
     """Why it ended: `answer` (a turn without a tool call), `length` (a turn hit the per-turn
-    token limit), `max_turns`, `token_budget`, `image_budget`."""
+    token limit), `max_turns`, `token_budget`, `image_budget`; in an environment also
+    `env_done` (the env terminated), `env_truncated` (its own step limit), `env_error` (it
+    raised), `env_timeout` (a reset or step past `agent.env_timeout_s`)."""
+    env_id: str | None = None
+    """The environment the trajectory acted in (`agent.env.id`), else None."""
+    env_steps: int = 0
+    """Environment steps taken (model turns whose action was valid and ran)."""
+    env_errors: dict[str, int] = field(default_factory=dict)
+    """Environment errors by kind (`bad_action`: not stepped, the trajectory goes on;
+    `env_error`, `env_timeout`: the trajectory ends)."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """The environment's reward after each model turn (0 for a turn whose action was invalid)."""
+    env_return: float = 0.0
+    """sum_t agent.turn_discount^t x turn_rewards[t]."""
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The conversation after the prompt, as chat messages (for the tokenization check and
     dumps): each model turn as an assistant message, each observation as tool messages."""

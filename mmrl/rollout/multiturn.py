@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ from mmrl.types import RolloutBatch, Sample, Trajectory
 
 LIMIT_ENDS = ("length", "max_turns", "token_budget", "image_budget")
 """Terminations on a limit (`agent.over_limit` decides whether they are scored or masked)."""
+ENV_ENDS = ("env_done", "env_truncated", "env_error", "env_timeout")
+"""Terminations by an environment (`Trajectory.termination`)."""
+ENV_TURN = object()
+"""What `_next_calls` returns for a trajectory whose next step is an environment action."""
 
 
 @dataclass
@@ -63,6 +68,8 @@ class _Row:
     done: bool = False
     truncated: bool = False
     state: dict[str, Any] = field(default_factory=dict)
+    session: Any = None
+    """The trajectory's own environment instance (`mmrl.environments.EnvSession`), if it acts in one."""
 
     def add_turn(self, ids: list[int], logprobs: list[float], text: str) -> None:
         self.ids += ids
@@ -86,8 +93,13 @@ class _Row:
 
 
 def uses_tools(samples: list[Sample]) -> bool:
-    """Whether any sample names tools (the batch then runs the multi-turn loop)."""
-    return any(s.agent is not None and s.agent.tools for s in samples)
+    """Whether any sample names tools or an environment (the batch then runs the multi-turn loop)."""
+    return any(s.agent is not None and (s.agent.tools or s.agent.env is not None) for s in samples)
+
+
+def acts_in_env(sample: Sample) -> bool:
+    """Whether the sample's trajectory acts in an environment (`agent.env`)."""
+    return sample.agent is not None and sample.agent.env is not None
 
 
 def generate_trajectories(
@@ -110,6 +122,11 @@ def generate_trajectories(
     # processor output); each image goes through the image processor once per call either way.
     turns = engine.turn_cache() if callable(getattr(engine, "turn_cache", None)) else None
     seen: dict = turns.images if turns is not None else {}
+    # Each environment trajectory gets its own env instance, reset with its sample's seed (the
+    # same across its group); the reset's observation joins the prompt as its last user turn.
+    sessions = open_sessions(samples, params.n, agent)
+    if sessions is not None:
+        samples = sessions.samples
     # turn 1: the single-turn path, prompts shared
     first = (
         engine.generate(samples, params, turns=turns)
@@ -117,6 +134,14 @@ def generate_trajectories(
         else engine.generate(samples, params)
     )
     rows = [_start_row(first, r, agent) for r in range(len(first))]
+    if sessions is not None:
+        for row, session, failed in zip(rows, sessions.rows, sessions.failed):
+            row.session = session
+            if session is not None:
+                row.info.env_id = row.sample.agent.env.id
+            if failed is not None:  # its reset failed: the trajectory is its first turn, scored as is
+                row.info.env_errors[failed] = 1
+                row.end(failed)
     remember_prompt_images(first, rows, seen)
     limits = _limits(agent)
     for r, row in enumerate(rows):
@@ -125,6 +150,8 @@ def generate_trajectories(
             first.response_ids[r][seg].tolist(), first.rollout_logprobs[r][seg].tolist(), first.texts[r]
         )
         row.truncated = bool(first.truncated[r])
+        if row.done:
+            _finish(row, r, on_response, turns)
     while True:
         # a. Which trajectories go on: a turn that ended on its stop token with a tool call.
         pending: list[tuple[int, Any]] = []  # (row, its last turn's parsed calls)
@@ -138,11 +165,22 @@ def generate_trajectories(
                 pending.append((r, turn))
         if not pending:
             break
-        # b. The tools, every trajectory's calls at once (on this side, under time limits).
-        observations = _run_tools(rows, pending, limits)
+        # b. The tools, every trajectory's calls at once, and the environments' steps, every
+        # trajectory's at once (on this side, under time limits). An environment that ended
+        # gives no observation: its trajectory ends on the model's last action.
+        tool_rows = [(r, turn) for r, turn in pending if turn is not ENV_TURN]
+        env_rows = [r for r, turn in pending if turn is ENV_TURN]
+        observed = dict(zip([r for r, _ in tool_rows], _run_tools(rows, tool_rows, limits)))
+        for r, obs in zip(env_rows, _step_envs(rows, env_rows, agent)):
+            if obs is None:
+                _finish(rows[r], r, on_response, turns)
+            else:
+                observed[r] = obs
+        pending = [(r, turn) for r, turn in pending if r in observed]
         # c. Each observation tokenized on its own and appended, if the budgets allow.
         going = []
-        encoded = observation_batch(processor, observations, seen)
+        roles = ["user" if turn is ENV_TURN else "tool" for _, turn in pending]
+        encoded = observation_batch(processor, [observed[r] for r, _ in pending], seen, roles)
         for (r, _), (ids, images, messages) in zip(pending, encoded):
             row = rows[r]
             if len(row.info.images) + len(images) > row.max_images:
@@ -174,6 +212,8 @@ def generate_trajectories(
             row.info.turns += 1
             row.truncated = truncated or cut
     _release(rows)
+    if sessions is not None:
+        sessions.close()
     batch = assemble(first, rows, processor, engine.pad_token_id, agent, seen)
     batch.group_size = params.n
     return batch
@@ -199,6 +239,11 @@ def _next_calls(row: _Row, agent: AgentConfig) -> Any:
     if row.truncated:
         row.end("length")
         return None
+    if row.session is not None:  # every turn is an action, until the env or a limit ends it
+        if row.info.turns >= row.max_turns:
+            row.end("max_turns")
+            return None
+        return ENV_TURN
     if row.sample.agent is None or not row.sample.agent.tools:
         row.end("answer")
         return None
@@ -243,6 +288,111 @@ def _run_tools(rows: list[_Row], pending: list[tuple[int, Any]], limits: Any) ->
     return out
 
 
+@dataclass
+class _Sessions:
+    """The environment instances of one `generate_trajectories` call: one per row (None for a
+    row whose sample acts in no environment), the samples with each reset's observation in
+    their prompts, and per row the reset's error kind if it failed."""
+
+    rows: list[Any]
+    samples: list[Sample]
+    failed: list[str | None]
+
+    def close(self) -> None:
+        for session in self.rows:
+            if session is not None:
+                session.close()
+
+
+def env_seed(sample: Sample) -> int:
+    """The seed of a sample's episode: its `agent.env.seed`, else one derived from its id (the
+    same for every trajectory of its group, and on a resumed run)."""
+    spec = sample.agent.env
+    return spec.seed if spec.seed is not None else zlib.crc32(sample.id.encode()) & 0x7FFFFFFF
+
+
+def with_observation(sample: Sample, text: str, images: list[Image.Image]) -> Sample:
+    """The sample with an environment's first observation (images, then text) appended to its
+    prompt's last user message (a new user message if the prompt ends otherwise)."""
+    from mmrl.types import IMAGE_PLACEHOLDER
+
+    prompt = [dict(m) for m in sample.prompt]
+    if prompt and prompt[-1]["role"] == "user" and isinstance(prompt[-1]["content"], str):
+        head = prompt[-1]["content"]
+        prompt[-1]["content"] = head + ("\n" if head else "") + IMAGE_PLACEHOLDER * len(images) + text
+    elif prompt and prompt[-1]["role"] == "user":
+        parts = list(prompt[-1]["content"]) + [{"type": "image"} for _ in images]
+        prompt[-1]["content"] = parts + [{"type": "text", "text": text}]
+    else:
+        prompt.append({"role": "user", "content": IMAGE_PLACEHOLDER * len(images) + text})
+    return dataclasses.replace(sample, prompt=prompt, images=list(sample.images) + list(images))
+
+
+def _env_limits(agent: AgentConfig) -> Any:
+    from mmrl.environments import ToolLimits
+
+    return ToolLimits(timeout_s=agent.env_timeout_s, max_text_chars=agent.max_tool_text_chars)
+
+
+def open_sessions(samples: list[Sample], n: int, agent: AgentConfig) -> _Sessions | None:
+    """One environment instance per trajectory of each sample that acts in one (n per sample,
+    reset with `env_seed(sample)`), all reset at once under `agent.env_timeout_s`; None if no
+    sample does. A sample whose first reset fails keeps its prompt and its rows end at once."""
+    if not any(acts_in_env(s) for s in samples):
+        return None
+    from mmrl.environments import EnvSession, reset_sessions
+
+    rows: list[Any] = []
+    for s in samples:
+        rows += [EnvSession(s.agent.env) if acts_in_env(s) else None for _ in range(n)]
+    live = [i for i, x in enumerate(rows) if x is not None]
+    seeds = [env_seed(samples[i // n]) for i in live]
+    resets = dict(zip(live, reset_sessions([rows[i] for i in live], seeds, _env_limits(agent))))
+    failed: list[str | None] = [None] * len(rows)
+    out = []
+    for k, s in enumerate(samples):
+        first = resets.get(k * n)
+        for i in range(k * n, (k + 1) * n):
+            if i in resets and resets[i].error is not None:
+                failed[i] = resets[i].error
+        if first is None or first.error is not None:
+            out.append(s)
+        else:
+            out.append(with_observation(s, first.text, first.images))
+    return _Sessions(rows=rows, samples=out, failed=failed)
+
+
+def _step_envs(rows: list[_Row], which: list[int], agent: AgentConfig) -> list[list | None]:
+    """Each trajectory's last turn as its environment's action, every one at once
+    (`mmrl.environments.step_sessions`): per trajectory its observation (a list of one), or None
+    when the environment ended it (the reason set). An invalid action steps nothing: its error
+    observation comes back, counted, and the trajectory goes on."""
+    if not which:
+        return []
+    from mmrl.environments import step_sessions
+
+    steps = step_sessions(
+        [rows[r].session for r in which], [rows[r].info.turn_texts[-1] for r in which], _env_limits(agent)
+    )
+    out: list[list | None] = []
+    for r, step in zip(which, steps):
+        info = rows[r].info
+        info.env_return += agent.turn_discount ** len(info.turn_rewards) * float(step.reward)
+        info.turn_rewards.append(float(step.reward))
+        if step.error is not None:
+            info.env_errors[step.error] = info.env_errors.get(step.error, 0) + 1
+        if step.error in ("env_error", "env_timeout"):
+            rows[r].end(step.error)
+        elif step.error not in ("bad_action", "episode_over"):  # stepped (text_too_long: capped)
+            info.env_steps += 1
+            if step.terminated:
+                rows[r].end("env_done")
+            elif step.truncated:
+                rows[r].end("env_truncated")
+        out.append(None if rows[r].done else [step.observation])
+    return out
+
+
 def observation_tokens(
     processor: Any, observations: list, image_cache: dict | None = None
 ) -> tuple[list[int], list[Image.Image], list[dict]]:
@@ -254,22 +404,23 @@ def observation_tokens(
 
 
 def observation_batch(
-    processor: Any, observations: list[list], image_cache: dict | None = None
+    processor: Any, observations: list[list], image_cache: dict | None = None, roles: list[str] | None = None
 ) -> list[tuple[list[int], list[Image.Image], list[dict]]]:
     """`observation_tokens` for many trajectories' turns at once (`observations[i]`: one
-    turn's observations): one processor call for the turns with images and one for those
-    without, each row's ids exactly what a call of its own gives (no truncation; the padding
-    dropped)."""
+    turn's observations, as messages of `roles[i]`: `tool` by default, `user` for an
+    environment's): one processor call for the turns with images and one for those without,
+    each row's ids exactly what a call of its own gives (no truncation; the padding dropped)."""
     from mmrl.models.chat_templates import observation_text
 
     out: list[Any] = []
-    for turn in observations:
+    for k, turn in enumerate(observations):
+        role = roles[k] if roles is not None else "tool"
         messages = []
         images: list[Image.Image] = []
         for o in turn:
             parts: list[dict[str, Any]] = [{"type": "image"} for _ in o.images]
             parts.append({"type": "text", "text": o.text})
-            messages.append({"role": "tool", "content": parts})
+            messages.append({"role": role, "content": parts})
             images += list(o.images)
         out.append([observation_text(processor, messages), images, messages])
     for with_images in (True, False):
@@ -406,11 +557,13 @@ def agent_reward(trajectory: Trajectory, accuracy: float, agent: AgentConfig) ->
     """What the trajectory's tools add to its verifier score, as named components: `tool_reward`
     (the tools' own rewards x `agent.tool_reward_weight`) or, with `agent.reward=deepeyes`,
     `tool_bonus` (DeepEyes: the bonus only when the answer is correct and a tool was called
-    without error). Their sum is added to the score."""
+    without error); for a trajectory in an environment also `env_return` (its return x
+    `agent.env_reward_weight`). Their sum is added to the score."""
+    env = {"env_return": agent.env_reward_weight * trajectory.env_return} if trajectory.env_id else {}
     if agent.reward == "deepeyes":
         clean_call = trajectory.tool_calls > sum(trajectory.tool_errors.values())
-        return {"tool_bonus": agent.tool_bonus if accuracy > 0 and clean_call else 0.0}
-    return {"tool_reward": agent.tool_reward_weight * trajectory.tool_reward}
+        return {"tool_bonus": agent.tool_bonus if accuracy > 0 and clean_call else 0.0, **env}
+    return {"tool_reward": agent.tool_reward_weight * trajectory.tool_reward, **env}
 
 
 def shape_results(results: list, trajectories: list[Trajectory], agent: AgentConfig) -> list:
@@ -435,7 +588,9 @@ def trajectory_summary(trajectories: list[Trajectory]) -> dict[str, float]:
     """Turn and tool figures of a set of trajectories (the `agent/*` metrics of training and
     the `agent` block of `mmrl eval`): turns, tool calls and observation tokens per trajectory,
     tool error and time-out rates (per call), termination reasons (fractions) and the tool-call
-    rate (trajectories with a call)."""
+    rate (trajectories with a call); when some acted in an environment, over those: its mean
+    return, success (terminated with a positive return, as MiniGrid rewards reaching the goal),
+    steps and invalid-action rate (per turn), and the environment's terminations."""
     n = max(1, len(trajectories))
     calls = sum(t.tool_calls for t in trajectories)
     errors: Counter = Counter()
@@ -452,6 +607,20 @@ def trajectory_summary(trajectories: list[Trajectory]) -> dict[str, float]:
     ends = Counter(t.termination for t in trajectories)
     for reason in ("answer",) + LIMIT_ENDS:
         out[f"end_{reason}"] = ends.get(reason, 0) / n
+    in_env = [t for t in trajectories if t.env_id]
+    if in_env:  # environment figures over the trajectories that acted in one
+        m = len(in_env)
+        steps = sum(t.env_steps for t in in_env)
+        turns = sum(len(t.turn_rewards) for t in in_env)
+        env_errors: Counter = Counter()
+        for t in in_env:
+            env_errors.update(t.env_errors)
+        out["env_return"] = sum(t.env_return for t in in_env) / m
+        out["env_success"] = sum(t.termination == "env_done" and t.env_return > 0 for t in in_env) / m
+        out["env_steps"] = steps / m
+        out["env_bad_action_rate"] = env_errors.get("bad_action", 0) / turns if turns else 0.0
+        for reason in ENV_ENDS:
+            out[f"end_{reason}"] = ends.get(reason, 0) / n
     return out
 
 
