@@ -8,9 +8,36 @@
 Tools are registered by name (`register_tool`, `register_verl_tool`); the built-in ones
 (`zoom_in`, `rotate`, `image_info`) register when this package is imported; their settings
 (`ZOOM_OUTPUT_SIDE`, `ZOOM_MIN_SIDE`) are module constants of `mmrl.environments.builtin`.
+
+Environments (`mmrl.environments.envs`): a trajectory acts in its own env, one model turn per
+step; MiniGrid's small tasks register on import (`mmrl.environments.minigrid_env`):
+
+    session = EnvSession(EnvSpec(id="minigrid-empty-5x5"))       # or a Gymnasium id
+    first = reset_sessions([session], [seed], limits)[0]           # image + text, the first turn
+    step = step_sessions([session], [model_text], limits)[0]       # .observation .reward .error
 """
 
 from mmrl.environments import builtin  # noqa: F401 - registers the built-in tools
+from mmrl.environments.envs import (
+    ENDING_ERRORS,
+    ERROR_KINDS,
+    EnvEntry,
+    EnvSession,
+    EnvStep,
+    UnknownEnvError,
+    action_words,
+    default_action,
+    default_observation,
+    env_known,
+    env_names,
+    make_env,
+    register_env,
+    register_gym_family,
+    reset_sessions,
+    step_sessions,
+    tagged_action,
+    unregister_env,
+)
 from mmrl.environments.executor import (
     apply_limits,
     release_all,
@@ -18,6 +45,13 @@ from mmrl.environments.executor import (
     run_tool_batches,
     run_tool_call,
     run_tool_calls,
+)
+from mmrl.environments.minigrid_env import (
+    ACTION_WORDS,  # importing minigrid_env registers the MiniGrid tasks
+    MINIGRID_TASKS,
+    expert_actions,
+    make_minigrid,
+    minigrid_observation,
 )
 from mmrl.environments.parsers import (
     call_format_names,
@@ -47,6 +81,29 @@ from mmrl.environments.tools import (
 from mmrl.environments.verl_adapter import VerlToolAdapter, register_verl_tool
 
 __all__ = [
+    "ACTION_WORDS",
+    "ENDING_ERRORS",
+    "ERROR_KINDS",
+    "EnvEntry",
+    "EnvSession",
+    "EnvStep",
+    "MINIGRID_TASKS",
+    "UnknownEnvError",
+    "action_words",
+    "default_action",
+    "default_observation",
+    "env_known",
+    "env_names",
+    "expert_actions",
+    "make_env",
+    "make_minigrid",
+    "minigrid_observation",
+    "register_env",
+    "register_gym_family",
+    "reset_sessions",
+    "step_sessions",
+    "tagged_action",
+    "unregister_env",
     "FunctionTool",
     "Observation",
     "ParsedTurn",
