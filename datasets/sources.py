@@ -28,7 +28,9 @@ mmrl's sample format from its column layout (`LAYOUTS`) and validated like any s
   `answer_key`, `image_key`), scored by `verifier` (`converters.easyr1_record`); `data_source`
   defaults to the dataset's name.
 
-A layout that is none of these is an error naming the columns. Options after `?`: `split`,
+A layout that is none of these is an error naming the columns, for a local sample file too (one
+whose first record has a field of the sample format, `SAMPLE_FIELDS`, is read as mmrl samples, so
+its error names the field that is wrong). Options after `?`: `split`,
 `config`, `revision`, `streaming` (rows read as they arrive instead of downloading and caching
 the whole dataset first; with `max_samples`, only a prefix is read), `max_samples`, `layout`
 (`auto` or one of `LAYOUTS`), `data_files`, `data_source`, `verifier`, `prompt_key`,
@@ -38,6 +40,7 @@ at once with a message naming it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -235,17 +238,28 @@ def load_source(
     return LoadedSource(entry, samples, layout, origin)
 
 
+SAMPLE_FIELDS = ("data_source", "reward_model", "extra_info")
+"""Fields of mmrl's (V-Triune's, veRL's) sample format that no other layout has: a file whose
+first record has one of them but fits no layout is read as mmrl samples, so the error names the
+field that is wrong; a record with none of them is another layout, named by its columns."""
+
+
 def _read_sample_file(entry, spec, path: Path, check_images, max_prompt_chars) -> tuple[list[Sample], str]:
     """A local `.jsonl` / `.json` / `.parquet` file: mmrl's own reader for mmrl samples (the
-    default, also for a file whose first record fits no layout: its errors name the field), the
-    converters' row mapping for V-Triune, veRL and EasyR1 files."""
+    default, also for a file whose first record fits no layout but has a field of the sample
+    format, `SAMPLE_FIELDS`: its errors name the field), the converters' row mapping for
+    V-Triune, veRL and EasyR1 files; a first record of none of these is `layout_error`, naming
+    the file's columns, as for a folder or a hub dataset."""
     from mmrl.datasets import converters
     from mmrl.datasets.readers import read_samples
 
     layout = spec.layout
     if layout == "auto":
         first = _first_record(path)
-        layout = (detect_layout(first, spec) if first is not None else None) or "mmrl"
+        layout = detect_layout(first, spec) if first is not None else None
+        if layout is None and first is not None and not any(name in first for name in SAMPLE_FIELDS):
+            raise layout_error(entry, _columns(path, first), spec)
+        layout = layout or "mmrl"
     if layout == "mmrl":
         return read_samples(path, check_images=check_images, max_prompt_chars=max_prompt_chars), layout
     pairs = converters.read_records(path)
@@ -268,12 +282,25 @@ def _first_record(path: Path) -> dict[str, Any] | None:
         with path.open(encoding="utf-8") as f:
             head = f.read(1 << 20).lstrip()
         if path.suffix.lower() == ".json" and head.startswith("["):
-            return None  # a JSON array is read whole by the reader anyway
-        line = head.splitlines()[0] if head else ""
-        record = json.loads(line) if line else None
+            # The first element of a JSON array, if it ends within the head.
+            start = len(head) - len(head[1:].lstrip())
+            record = json.JSONDecoder().raw_decode(head, start)[0]
+        else:
+            line = head.splitlines()[0] if head else ""
+            record = json.loads(line) if line else None
         return record if isinstance(record, dict) else None
     except Exception:  # noqa: BLE001 - any problem is reported by the reader itself
         return None
+
+
+def _columns(path: Path, first: dict[str, Any]) -> list[str]:
+    """A sample file's column names: a Parquet file's schema, else its first record's keys."""
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        with contextlib.suppress(Exception):
+            return list(pq.ParquetFile(path).schema_arrow.names)
+    return list(first)
 
 
 def _datasets():

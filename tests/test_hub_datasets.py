@@ -197,6 +197,39 @@ def test_a_local_easyr1_parquet_file_is_recognised_by_its_columns(local_datasets
     assert Path(samples[0].extra_info["source_file"]).name == "geo3k_train.parquet"
 
 
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ".json"])
+def test_a_local_file_of_an_unknown_layout_names_its_columns(suffix, tmp_path):
+    """Issue 48, item 6: as for a folder or a hub dataset, not "field 'data_source': missing"."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": "2+2?", "solution": "4"}, {"question": "3+3?", "solution": "6"}]
+    path = tmp_path / f"qa{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        path.write_text(json.dumps(rows, indent=1))
+    with pytest.raises(ValueError, match=r"unknown column layout \(columns: question, solution\)") as info:
+        read_source(str(path))
+    assert str(path) in str(info.value) and "prompt_key=" in str(info.value)
+    # Renamed as EasyR1's options do, the same file reads.
+    (first, _) = read_source(f"{path}?prompt_key=question&answer_key=solution")
+    assert first.reward_model.ground_truth == "4"
+
+
+def test_a_local_sample_file_with_a_mistake_still_names_the_field(tmp_path):
+    """A record meant as an mmrl sample (it has a field of the format) keeps the reader's
+    error naming the field, not the layout error."""
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"data_source": "toy", "prompt": "hi", "extra_info": {"id": "a"}}\n')
+    with pytest.raises(SampleError, match=r"train.jsonl:1 \(id=a\): field 'reward_model': missing"):
+        read_source(str(path))
+
+
 def test_a_hub_ids_split_config_revision_and_streaming_reach_load_dataset(local_datasets, monkeypatch):
     # What `datasets.load_dataset` is called with for a hub id and its options (the hub itself is
     # out of reach: the call returns the local EasyR1 rows, as a streamed split).
