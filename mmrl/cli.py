@@ -2,19 +2,30 @@
 
 Only the chosen command's arguments are built, and nothing heavy is imported before a command
 has checked its input (`mmrl.check`): `--help`, a config error or `mmrl check` answer without
-loading torch. Ctrl-C ends any command with one line and exit status 130 (a training run that has
-begun writes a checkpoint first and says how to resume).
+loading torch. Ctrl-C ends any command with one line and exit status 130; a training run that has
+begun writes a checkpoint first, says how to resume, and exits 130 too (after SIGTERM, a
+scheduler's stop, it exits 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from mmrl.config import task_names
 
 COMMANDS = ("train", "check", "convert", "serve", "eval")
+
+INTERRUPTED = 130
+"""The exit status of a command ended by Ctrl-C (SIGINT), as a shell reports one (128 + 2), so
+`mmrl train ... && mmrl eval ...` stops there; a training run that had begun writes its
+checkpoint first."""
 
 TRAIN_EPILOG = """\
 main options (any config field can be set as key=value, before or after the options; see configs/<task>.yaml):
@@ -231,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except KeyboardInterrupt:
         print(f"mmrl {args.command}: interrupted (Ctrl-C){_interrupt_note(args)}", file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -291,12 +302,14 @@ def _train_diffusion(args: argparse.Namespace, cfg) -> int:
             with imports_without_gc():
                 from mmrl.train.decoupled import run_decoupled
 
-            result = run_decoupled(cfg)
+            with signals_received() as received:
+                result = run_decoupled(cfg)
         else:
             with imports_without_gc():
                 from mmrl.train.flow_grpo import run_text_to_image
 
-            result = run_text_to_image(cfg)
+            with signals_received() as received:
+                result = run_text_to_image(cfg)
     except (ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)
         return 2
@@ -304,7 +317,7 @@ def _train_diffusion(args: argparse.Namespace, cfg) -> int:
         print(f"mmrl train: stopped: {exc}", file=sys.stderr)
         return 1
     print(result.summary_line(args.task))
-    return 0
+    return interrupted_status(received) if result.interrupted else 0
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -352,7 +365,8 @@ def _train(args: argparse.Namespace) -> int:
     from mmrl.train.storage import StorageError
 
     try:
-        result = train(report.config)
+        with signals_received() as received:
+            result = train(report.config)
     except (SampleError, ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)
         return 2
@@ -367,8 +381,42 @@ def _train(args: argparse.Namespace) -> int:
             f"interrupted at step {result.steps}; checkpoint written. Continue with: "
             f"mmrl train --task {args.task} trainer.run_dir={result.run_dir} --resume auto ..."
         )
-        return 0
+        return interrupted_status(received)
     print(result.summary_line())
+    return 0
+
+
+@contextlib.contextmanager
+def signals_received() -> Iterator[set[int]]:
+    """The numbers of the signals that reached this process while the block ran, whichever
+    Python handler took them (the trainers' own stop handler records no signal in their result).
+
+    CPython writes each caught signal's number to the wakeup fd (`signal.set_wakeup_fd`); the
+    set is filled when the block ends. Outside the main thread it stays empty."""
+    received: set[int] = set()
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    try:
+        yield received
+    finally:
+        signal.set_wakeup_fd(previous)
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(read_end, 4096):
+                received.update(chunk)
+        os.close(read_end)
+        os.close(write_end)
+
+
+def interrupted_status(received: set[int]) -> int:
+    """The exit status of a training run that stopped on a signal after writing its checkpoint:
+    130 for Ctrl-C (SIGINT), 0 for SIGTERM (a scheduler's stop, continued with --resume auto)."""
+    if signal.SIGINT in received or signal.SIGTERM not in received:
+        return INTERRUPTED
     return 0
 
 

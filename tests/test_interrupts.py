@@ -1,7 +1,8 @@
 """Ctrl-C anywhere ends with one line, never a traceback: during the base warm-up and the held-out
 evaluation before training (exit status 130, nothing to resume), during `mmrl eval` (130, the
 finished queries kept), and during an evaluation once training has begun (a checkpoint, then
-the usual "interrupted at step N" and status 0).
+the usual "interrupted at step N" and status 130, so `mmrl train ... && mmrl eval ...` stops; after
+SIGTERM, a scheduler's stop, the status is 0).
 
 SIGINT goes to the whole process group, as a terminal's Ctrl-C does (verifier workers
 included), the moment the command logs that the stage began (an evaluation of 512 samples lasts seconds;
@@ -121,7 +122,7 @@ def test_ctrl_c_during_an_evaluation_in_training_writes_a_checkpoint(mmrl_cache,
         _env(MMRL_CACHE=mmrl_cache),
         tmp_path,
     )
-    assert status == 0, after[-30:]
+    assert status == 130, after[-30:]
     assert not any("Traceback" in line for line in after)
     ckpt = find_resume_checkpoint(run)
     assert ckpt is not None and ckpt.step == 1
@@ -155,3 +156,24 @@ def test_ctrl_c_during_mmrl_eval_leaves_one_line_and_status_130(mmrl_cache, tmp_
     assert _only_line(after) == [
         "mmrl eval: interrupted (Ctrl-C); finished queries are kept, rerun the same command to continue"
     ]
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_a_run_stopped_by_a_signal_exits_130_on_ctrl_c_and_0_on_sigterm(
+    signum, status, monkeypatch, tmp_path, capsys
+):
+    """What the command line makes of a run the trainer stopped on a signal (its checkpoint
+    written): the trainer's own handler takes the signal, as in `mmrl.train.grpo.train`."""
+    from mmrl.cli import main
+    from mmrl.train.grpo import StopRequest, TrainResult
+
+    def stopped_run(cfg):
+        stop = StopRequest()
+        with stop.installed():
+            os.kill(os.getpid(), signum)
+        assert stop.requested
+        return TrainResult(cfg.trainer.run_dir, 0.5, 0.5, 0.5, steps=1, seconds=1.0, interrupted=True)
+
+    monkeypatch.setattr("mmrl.compose.train", stopped_run)
+    assert main(["train", f"trainer.run_dir={tmp_path / 'run'}", *QUICK]) == status
+    assert "interrupted at step 1; checkpoint written" in capsys.readouterr().out
