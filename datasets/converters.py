@@ -29,8 +29,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mmrl.datasets.readers import write_jsonl, write_parquet
+from mmrl.datasets.readers import read_in_pieces_hint, write_jsonl, write_parquet
 from mmrl.datasets.schema import SampleError, sample_from_record
+from mmrl.files import check_file, read_file
 from mmrl.types import IMAGE_PLACEHOLDER, Sample
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ def read_records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     if not path.exists():
         raise FileNotFoundError(f"input file not found: {path}")
     suffix = path.suffix.lower()
+    if suffix in (".parquet", ".jsonl", ".json"):
+        check_file(path, hint=read_in_pieces_hint(path))  # a regular file, of a size to read whole
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -98,7 +101,7 @@ def read_records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _json_records(path: Path):
-    text = path.read_text(encoding="utf-8")
+    text = read_file(path).decode("utf-8")
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
             records = json.loads(text)
@@ -333,7 +336,7 @@ def _load_coco(annotation_file: Path):
         raise FileNotFoundError(f"COCO annotation file not found: {annotation_file}")
     where = str(annotation_file)
     try:
-        data = json.loads(annotation_file.read_text(encoding="utf-8"))
+        data = json.loads(read_file(annotation_file).decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise SampleError(f"{where}:{exc.lineno}", "<file>", f"invalid JSON: {exc.msg}") from None
     if not isinstance(data, dict):

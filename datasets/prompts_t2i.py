@@ -50,11 +50,13 @@ def read_prompt_file(path: str) -> list[str]:
     """Prompts from a text file, one per line; blank lines and `#` comments are skipped."""
     from pathlib import Path
 
+    from mmrl.files import read_file
+
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise FileNotFoundError(f"prompt file not found: {p}")
     prompts = []
-    for line in p.read_text(encoding="utf-8").splitlines():
+    for line in read_file(p).decode("utf-8").splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             prompts.append(line)

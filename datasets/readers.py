@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from mmrl.datasets.schema import MAX_PROMPT_CHARS, SampleError, sample_from_record
+from mmrl.files import check_file, read_file
 from mmrl.types import Sample
 
 
@@ -14,7 +15,8 @@ def read_samples(
 ) -> list[Sample]:
     """Read and validate every sample in a `.jsonl` / `.json` / `.parquet` file.
 
-    Relative image paths are resolved against the file's folder. The first bad record stops
+    Relative image paths are resolved against the file's folder. Only a regular file of at most
+    `mmrl.files.MAX_DATA_FILE_BYTES` is read (it is read whole). The first bad record stops
     the read with a `SampleError` naming the file, line (or row), id and field; so do bytes
     that are not UTF-8 and a file with no records at all. Duplicate ids are an error too:
     metrics, dumps and resumption all key on them. Prompts longer than `max_prompt_chars`
@@ -25,6 +27,7 @@ def read_samples(
         raise FileNotFoundError(f"sample file not found: {path}")
     if path.is_dir():
         raise ValueError(f"{path}: is a folder, not a sample file")
+    check_file(path, hint=read_in_pieces_hint(path))  # a regular file, of a size to read whole
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         samples = list(_read_parquet(path, check_images, max_prompt_chars))
@@ -47,9 +50,16 @@ def read_samples(
     return samples
 
 
+def read_in_pieces_hint(path: Path) -> str:
+    """How to read a sample file too large to read whole: through the `datasets` library, whose
+    Arrow tables are memory-mapped (`mmrl.datasets.sources`)."""
+    builder = "parquet" if path.suffix.lower() == ".parquet" else "json"
+    return f"; read it through the datasets library instead: data.train_files=[{builder}@train?data_files={path}]"
+
+
 def _decode(path: Path) -> str:
     """The file's text; bytes that are not UTF-8 are a `SampleError` naming the line."""
-    data = path.read_bytes()
+    data = read_file(path, hint=read_in_pieces_hint(path))
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -17,6 +17,7 @@ from typing import Any
 
 from PIL import Image
 
+from mmrl.files import not_a_regular_file
 from mmrl.types import (
     IMAGE_PLACEHOLDER,
     AgentSpec,
@@ -223,6 +224,9 @@ def _image_source(item: Any, base_dir: Path | None, field: str, fail) -> ImageSo
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
         if path.exists() or len(item) < 128 or not _BASE64.fullmatch(item[:4096]):
+            problem = not_a_regular_file(path)  # from os.stat: opening a FIFO would block
+            if problem is not None:
+                raise fail(field, f"{path} {problem} (an image path names an image file)")
             return str(path)  # a missing file is reported when the image is checked
         return _b64(item, field, fail)
     raise fail(

@@ -50,6 +50,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from mmrl.datasets.schema import MAX_PROMPT_CHARS, SampleError, sample_from_record
+from mmrl.files import not_a_regular_file
 from mmrl.types import Sample
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,8 @@ def load_source(
     local = local_path(spec.path)
     if local is not None and not local.exists():
         raise missing_path_error(entry, spec.path)
+    if local is not None and not local.is_dir() and (problem := not_a_regular_file(local)) is not None:
+        raise ValueError(f"data source {entry!r}: {local} {problem}")  # opening a FIFO would block
     if (
         local is not None
         and local.is_file()

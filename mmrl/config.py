@@ -25,6 +25,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 # Light imports only: `import mmrl.config` must not load torch or transformers, so that `--help`
 # and a config error answer at once (tests/test_cli.py checks it in a fresh interpreter).
+from mmrl.files import not_a_regular_file, size_in_words
 from mmrl.models.tiny_spec import TINY_ARCHITECTURES, TinyVLMSpec
 from mmrl.rewards.config import ModelRewardsConfig
 from mmrl.types import AnswerLimits
@@ -1226,15 +1227,31 @@ def config_object(merged: Any) -> Any:
         raise _config_error(f"invalid config: {_describe(exc)}", exc) from None
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest config file read (1 MiB; a recipe is a few KiB): `--config /dev/zero`, or a data file
+given by mistake, is refused instead of read until memory runs out."""
+
+
 def read_config_file(path: Path) -> str:
-    """The text of a YAML config file; a missing file is `FileNotFoundError`, a folder, an
+    """The text of a YAML config file; a missing file is `FileNotFoundError`, a folder, a file
+    that is not a regular one (a device, a FIFO, a socket), one over `MAX_CONFIG_BYTES`, an
     unreadable file or text that is not UTF-8 a `ConfigError`, each naming the path."""
     if not path.exists():
         raise FileNotFoundError(f"config file not found: {path}")
     if path.is_dir():
         raise ConfigError(f"{path}: is a folder, not a config file (give a .yaml file)")
+    problem = not_a_regular_file(path)
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem} (give a .yaml file)")
     try:
-        return path.read_text(encoding="utf-8")
+        with path.open("rb") as f:  # no further than the limit, whatever the size said
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path}: more than {size_in_words(MAX_CONFIG_BYTES)}, too large for a config file "
+                "(give a .yaml file)"
+            )
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:

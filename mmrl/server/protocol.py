@@ -456,6 +456,7 @@ def check_image(item: Any, where: str, decode: bool, image_root: str | Path | No
         raise bad(where, f"must be a path, a base64 string or {{'bytes'|'path'}}, got {_type_name(item)}")
     if not decode:
         return
+    from mmrl.files import not_a_regular_file
     from mmrl.types import ImageError, load_image
 
     source: bytes | Path
@@ -463,6 +464,8 @@ def check_image(item: Any, where: str, decode: bool, image_root: str | Path | No
         source = _b64(item.split(";base64,", 1)[1], where)
     else:
         path = resolve_image_path(item, image_root)
+        if path is not None and path.exists() and (problem := not_a_regular_file(path)) is not None:
+            raise bad(where, f"{item[:200]} {problem} under the server's image_root")  # a FIFO would block
         if path is not None and path.is_file():
             source = path
         else:

@@ -119,9 +119,11 @@ def load_requests(cfg: DecoupledConfig) -> tuple[RequestSet, RequestSet]:
         held = paraphrase_requests("heldout", n=cfg.trainer.eval_size)
         to_set = lambda rs: RequestSet([r.request for r in rs], [r.target for r in rs], [None] * len(rs))  # noqa: E731
         return to_set(train), to_set(held)
+    from mmrl.files import read_file
+
     path = Path(cfg.data.prompt_file)
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(read_file(path).decode("utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
