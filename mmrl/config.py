@@ -293,6 +293,10 @@ class RewardConfig:
     score, and sharing the accelerator with the policy (`placement`)."""
 
 
+CRITIC_ESTIMATORS = ("gae", "turn_gae")
+"""`algo.advantage` values that need a critic (a value head; `mmrl.algos.critic`)."""
+
+
 @dataclass
 class AlgoConfig:
     """The RL objective: advantage estimator, policy loss, KL, DAPO pieces, mismatch correction."""
@@ -303,7 +307,9 @@ class AlgoConfig:
     whitening per token), reinforce_pp_baseline (group mean, then the same), gdpo, remax
     (a greedy response's reward as baseline), opo (length-weighted group baseline), gpg
     (group mean, rescaled by the share of informative rows), pass_at_k (optimises pass@k),
-    grpo_passk (veRL's: only each group's best response, by its margin over the runner-up)."""
+    grpo_passk (veRL's: only each group's best response, by its margin over the runner-up);
+    with a critic (PPO; a value head on the policy's last hidden state, trained with it): gae
+    (veRL's token-level GAE) or turn_gae (VAGEN's turn-level GAE for multi-turn trajectories)."""
     adv_eps: float = 1e-6
     """Added to standard deviations before dividing."""
     adv_clip: float = 0.0
@@ -317,6 +323,21 @@ class AlgoConfig:
     by the batch std only) or `none`."""
     passk_k: int = 4
     """pass_at_k: the k of pass@k (1 <= k <= rollout.group_size; k = 1 is GRPO)."""
+    # -- PPO with a critic (mmrl.algos.critic; docs/guide/critic.md) --
+    gamma: float = 1.0
+    """gae, turn_gae: the discount per model token (veRL's `algo.gamma`)."""
+    lam: float = 1.0
+    """gae, turn_gae: GAE's lambda (veRL's `algo.lam`; turn_gae uses it at both levels)."""
+    high_level_gamma: float = 0.95
+    """turn_gae: the discount per turn (VAGEN's `high_level_gamma`)."""
+    cliprange_value: float = 0.5
+    """gae, turn_gae: the value loss clips the new value to the rollout-time value +- this
+    (veRL's `critic.cliprange_value`)."""
+    vf_coef: float = 0.5
+    """gae, turn_gae: weight of the clipped value loss added to the policy loss (the value head
+    shares the policy's backbone and optimizer step)."""
+    critic_lr: float = 0.0
+    """gae, turn_gae: learning rate of the value head's own parameter group (0: optim.lr)."""
     # -- policy loss --
     policy_loss: str = "ppo"
     """ppo (clip-higher, optional dual-clip), gspo (sequence-level ratio), cispo (clipped,
@@ -929,13 +950,14 @@ class Config:
                 "trainer.train_workers > 1 with algo.entropy_coef > 0 needs algo.loss_agg=token_mean",
             ),
             *self._strategy_checks(),
+            *self._critic_checks(),
         ]
         from mmrl.algos.advantages import ADVANTAGE_ESTIMATORS
 
         checks.append(
             (
-                self.algo.advantage in ADVANTAGE_ESTIMATORS,
-                f"algo.advantage must be one of {', '.join(sorted(ADVANTAGE_ESTIMATORS))}, "
+                self.algo.advantage in ADVANTAGE_ESTIMATORS or self.algo.advantage in CRITIC_ESTIMATORS,
+                f"algo.advantage must be one of {', '.join(sorted([*ADVANTAGE_ESTIMATORS, *CRITIC_ESTIMATORS]))}, "
                 f"got {self.algo.advantage!r}",
             )
         )
@@ -1008,6 +1030,39 @@ class Config:
             (
                 a.demo_loss == "off" or local,
                 "algo.demo_loss needs trainer.backend=local (a demonstration pass in the update)",
+            ),
+        ]
+
+    def _critic_checks(self) -> list[tuple[bool, str]]:
+        """Checks of the critic's fields (`algo.advantage` gae / turn_gae) and of where it runs:
+        the value head is carried by the single-process trainer only (local, async, colocated
+        vLLM); the Ray training groups (FSDP2) and DeepSpeed do not carry it, and are refused."""
+        a, t = self.algo, self.trainer
+        on = a.advantage in CRITIC_ESTIMATORS
+        return [
+            (0 <= a.gamma <= 1, f"algo.gamma must be in [0, 1], got {a.gamma}"),
+            (0 <= a.lam <= 1, f"algo.lam must be in [0, 1], got {a.lam}"),
+            (
+                0 <= a.high_level_gamma <= 1,
+                f"algo.high_level_gamma must be in [0, 1], got {a.high_level_gamma}",
+            ),
+            (a.cliprange_value > 0, f"algo.cliprange_value must be > 0, got {a.cliprange_value}"),
+            (a.vf_coef >= 0, f"algo.vf_coef must be >= 0, got {a.vf_coef}"),
+            (a.critic_lr >= 0, f"algo.critic_lr must be >= 0 (0: optim.lr), got {a.critic_lr}"),
+            (
+                not on or (t.backend == "local" and t.strategy == "fsdp2"),
+                f"algo.advantage={a.advantage} (a value head) runs in the single-process trainer only: "
+                "trainer.backend=ray (FSDP2 training groups) and trainer.strategy=deepspeed do not carry "
+                "the value head yet",
+            ),
+            (
+                not on or a.kl_estimator != "full" or a.kl_coef == 0,
+                f"algo.advantage={a.advantage} does not combine with algo.kl_estimator=full yet",
+            ),
+            (
+                not on or a.opsm_delta is None,
+                f"algo.advantage={a.advantage}: algo.opsm_delta reads one advantage per response (the "
+                "critic's are per token)",
             ),
         ]
 

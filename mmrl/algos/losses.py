@@ -9,7 +9,8 @@ the same way,
 
     logprobs      [N, R] current policy log-probs (with grad)
     old_logprobs  [N, R] log-probs of the policy that sampled the batch (no grad)
-    advantages    [N]    one advantage per response, broadcast over its tokens
+    advantages    [N]    one advantage per response, broadcast over its tokens; or [N, R],
+                         one per token (a critic's GAE, `mmrl.algos.critic`)
     weights       [N, R] optional detached per-token multiplier (truncated importance
                          sampling weights, `mmrl.algos.tis`); None = 1
 
@@ -203,9 +204,10 @@ def _check_inputs(
     for what, t in (("old_logprobs", old_logprobs), ("mask", mask), ("weights", weights)):
         if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name}: {what} has shape {list(t.shape)}, logprobs has {list(logprobs.shape)}")
-    if advantages.shape != logprobs.shape[:1]:
+    if advantages.shape != logprobs.shape[:1] and advantages.shape != logprobs.shape:
         raise ValueError(
-            f"{name}: advantages must be [N] = [{logprobs.shape[0]}], got shape {list(advantages.shape)}"
+            f"{name}: advantages must be [N] = [{logprobs.shape[0]}] (or per token, [N, R]), got shape "
+            f"{list(advantages.shape)}"
         )
     if not (clip_low >= 0 and clip_high >= 0):
         raise ValueError(f"{name}: clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
@@ -246,7 +248,8 @@ def token_loss(
             _check_inputs(name, logprobs, old_logprobs, advantages, mask, weights, clip_low, clip_high, dual)
             if no_dual_clip and clip_dual is not None:
                 raise ValueError(f"{name}: dual-clip does not apply ({no_dual_clip})")
-            adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1).expand_as(logprobs)
+            adv = advantages.detach().to(logprobs.dtype)
+            adv = adv.unsqueeze(-1).expand_as(logprobs) if adv.dim() == 1 else adv  # [N, R]: a critic's
             b = TokenBatch(logprobs, old_logprobs, adv, mask > 0, clip_low, clip_high, dual)
             per_token, metrics = fn(b, **options)
             if weights is not None:

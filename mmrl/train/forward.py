@@ -57,7 +57,44 @@ def response_logprobs(
     with the same prompt share one prompt pass (see the module docs). Masked positions hold 0.
     """
 
-    def compute(root: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs, entropy, _ = _logprobs_pass(
+        model, batch, blocked, temperature, with_entropy, entropy_grad, share_prompts, chunk, None
+    )
+    return logprobs, entropy
+
+
+def response_logprobs_and_values(
+    model: PreTrainedModel,
+    batch: RolloutBatch,
+    blocked: torch.Tensor,
+    temperature: float,
+    value_head: ValueHead,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    share_prompts: bool = True,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`response_logprobs` plus the critic's values [N, R] (float32, 0 off the response mask)
+    from the same forward: `value_head` reads the final hidden state at each position that
+    predicts a response token, the state before that token (veRL's critic layout), so the
+    backbone runs once for both. Observation tokens and padding get no value."""
+    return _logprobs_pass(
+        model, batch, blocked, temperature, with_entropy, entropy_grad, share_prompts, chunk, value_head
+    )
+
+
+def _logprobs_pass(
+    model: PreTrainedModel,
+    batch: RolloutBatch,
+    blocked: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    share_prompts: bool,
+    chunk: int | None,
+    value_head: ValueHead | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def compute(root: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         h, y, mask = response_positions(root, batch, share_prompts)
         head, softcap = output_head(root)
         if plain_linear(head):
@@ -69,14 +106,76 @@ def response_logprobs(
             token_logp, token_entropy = module_head_logprobs(h, head, y, blocked, temperature, softcap, size)
         logprobs = token_logp.new_zeros(mask.shape).masked_scatter(mask, token_logp)
         entropy = token_entropy.new_zeros(mask.shape).masked_scatter(mask, token_entropy)
-        return logprobs, entropy
+        if value_head is None:
+            return logprobs, entropy, None
+        token_values = value_head(h)  # [T] float32
+        return logprobs, entropy, token_values.new_zeros(mask.shape).masked_scatter(mask, token_values)
 
-    logprobs, entropy = call_as_forward(model, compute)
+    logprobs, entropy, values = call_as_forward(model, compute)
     if not with_entropy:
-        return logprobs, None
+        return logprobs, None, values
     if not (entropy_grad and torch.is_grad_enabled()):
         entropy = entropy.detach()
-    return logprobs, entropy
+    return logprobs, entropy, values
+
+
+class ValueHead(torch.nn.Module):
+    """The critic: a linear value head (float32, zero-initialised: every value starts at 0) on
+    the policy's final hidden state, V(s_t) = w . h_t + b. It reads the hidden states the
+    log-prob pass already computed (`response_logprobs_and_values`) and computes in float32
+    whatever the backbone's dtype, a chunk of positions at a time (`_Float32Dot`): no float32
+    copy of the [T, H] hidden states is kept for the backward."""
+
+    def __init__(self, hidden_size: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=torch.float32, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros((), dtype=torch.float32, device=device))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Values [T] (float32) of hidden states [T, H] (any float dtype)."""
+        return _Float32Dot.apply(hidden, self.weight, self.bias)
+
+
+def value_head_for(model: torch.nn.Module, device: torch.device | str) -> ValueHead:
+    """A fresh `ValueHead` the width of `model`'s final hidden state, on `device`."""
+    return ValueHead(_base(model).config.get_text_config().hidden_size, device=device)
+
+
+class _Float32Dot(torch.autograd.Function):
+    """h [T, H] . w [H] + b in float32, a chunk of positions at a time (each chunk's float32
+    copy lives only while it is multiplied), autocast off; the backward likewise chunked: the
+    gradient to h comes back in h's dtype."""
+
+    CHUNK_BYTES = 64 * 2**20
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        size = max(1, _Float32Dot.CHUNK_BYTES // (4 * max(1, h.shape[-1])))
+        out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for i in range(0, h.shape[0], size):
+                out[i : i + size] = h[i : i + size].float() @ w + b
+        ctx.save_for_backward(h, w)
+        ctx.size = size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        h, w = ctx.saved_tensors
+        size = ctx.size
+        grad_h = grad_w = grad_b = None
+        with torch.autocast(h.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_h = torch.empty_like(h)
+                for i in range(0, h.shape[0], size):
+                    grad_h[i : i + size] = (grad[i : i + size].unsqueeze(1) * w).to(h.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = torch.zeros_like(w)
+                for i in range(0, h.shape[0], size):
+                    grad_w += grad[i : i + size] @ h[i : i + size].float()
+            if ctx.needs_input_grad[2]:
+                grad_b = grad.sum()
+        return grad_h, grad_w, grad_b
 
 
 def response_positions(

@@ -47,7 +47,7 @@ from mmrl.algos.dapo import informative_groups, overlong_penalty, truncation_mas
 from mmrl.algos.kl import kl_estimate, kl_penalized_rewards
 from mmrl.algos.stability import batch_normalize_weights, rejection_keep
 from mmrl.algos.tis import tis_weights
-from mmrl.config import AgentConfig, Config, config_to_dict, config_to_yaml
+from mmrl.config import CRITIC_ESTIMATORS, AgentConfig, Config, config_to_dict, config_to_yaml
 from mmrl.models.adapters import apply_lora, freeze_parts, is_lora, merged_copy_for_saving, param_groups
 from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
@@ -79,6 +79,7 @@ from mmrl.train.checkpoint import (
 from mmrl.train.data import PromptSampler, cot_pool, load_data_report
 from mmrl.train.dumps import write_step_dump
 from mmrl.train.evaluation import EvaluationInterrupted, run_evaluation
+from mmrl.train.forward import value_head_for
 from mmrl.train.metrics_log import check_trackers_installed, open_metrics_log
 from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
@@ -87,7 +88,16 @@ from mmrl.train.schedule import schedule_factor
 from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
-from mmrl.train.update import old_and_ref_logprobs, old_from_update, update_policy
+from mmrl.train.update import (
+    CriticTargets,
+    critic_metrics,
+    critic_targets,
+    old_and_ref_logprobs,
+    old_from_update,
+    old_ref_and_values,
+    row_advantages,
+    update_policy,
+)
 from mmrl.types import RolloutBatch, VerifyContext
 from mmrl.verifiers.limits import is_refusal
 
@@ -168,6 +178,9 @@ class Trainee:
     """Model-based rewards, placed beside the policy (None: the run configures none)."""
     stability: StabilityState = field(default_factory=StabilityState)
     """Adaptive entropy coefficient and reference resets, carried across steps."""
+    value_head: torch.nn.Module | None = None
+    """The critic (`algo.advantage` gae / turn_gae): a value head on the policy's last hidden
+    state (`mmrl.train.forward.ValueHead`), in the optimizer's `critic` group; None otherwise."""
 
     # The learner: the policy's log-probs and update. Here, in this process; a training group
     # across processes (`mmrl.distributed`) overrides these two.
@@ -176,6 +189,15 @@ class Trainee:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [N, R] of the sampling policy ("old") and of the reference (step c)."""
         return old_and_ref_logprobs(cfg, self.policy, self.reference, batch, old_from_update(cfg))
+
+    def old_ref_and_values(
+        self, cfg: Config, batch: RolloutBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`old_and_ref_logprobs` plus the value head's values [N, R] of the rollout, from the
+        same forward as the old log-probs (PPO with a critic)."""
+        return old_ref_and_values(
+            cfg, self.policy, self.reference, batch, old_from_update(cfg), self.value_head
+        )
 
     def update_policy(
         self,
@@ -186,13 +208,14 @@ class Trainee:
         ref_logprobs: torch.Tensor | None,
         weights: torch.Tensor | None,
         before_minibatch: Callable[[list[int]], None] | None = None,
+        critic: CriticTargets | None = None,
     ) -> dict[str, float]:
         """The mini-batched policy update (step f); returns its `actor/...` metrics.
         `before_minibatch`: see `mmrl.train.update.update_policy` (only where
-        `updates_while_scoring`)."""
+        `updates_while_scoring`); `critic`: the value loss's targets (PPO with a critic)."""
         return update_policy(
             cfg, self.policy, self.optimizer, batch, advantages, old_logprobs, ref_logprobs, weights,
-            before_minibatch, reference=self.reference, old_from_first_pass=old_from_update(cfg),
+            before_minibatch, reference=self.reference, old_from_first_pass=old_from_update(cfg), critic=critic,
         )  # fmt: skip
 
     updates_while_scoring = True
@@ -474,6 +497,8 @@ def write_checkpoint(
         "stability": t.stability.state_dict(),
         **t.checkpoint_state(),
     }
+    if t.value_head is not None:  # the critic's head: not part of the policy's HF weights
+        state["value_head"] = {k: v.detach().cpu().clone() for k, v in t.value_head.state_dict().items()}
     if t.stability.resets and isinstance(t.reference, torch.nn.Module):
         # A reset reference is the policy of its reset step, which nothing else can rebuild: it
         # travels with the checkpoint (in its own dtype) so a resumed run keeps it.
@@ -519,6 +544,12 @@ def resume_from(
             raise ValueError(f"trainer.resume={path}: not a usable checkpoint: {problem}")
     load_model_weights(t.policy.model, path / "model")
     state = load_trainer_state(path)
+    if t.value_head is not None:
+        if "value_head" not in state:
+            raise ValueError(
+                f"trainer.resume={path}: the checkpoint has no value head (algo.advantage={cfg.algo.advantage})"
+            )
+        t.value_head.load_state_dict(state["value_head"])
     t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
@@ -611,8 +642,18 @@ def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Tr
     precision, engine, router, optimizer (a parameter group per part, each with its learning
     rate)."""
     reference = prepare_policy(cfg, policy)
+    groups, value_head = param_groups(policy.model, cfg), None
+    if cfg.algo.advantage in CRITIC_ESTIMATORS:  # PPO with a critic: its head, its own group
+        value_head = value_head_for(policy.model, policy.device)
+        groups.append(
+            {
+                "params": list(value_head.parameters()),
+                "lr": cfg.algo.critic_lr or cfg.optim.lr,
+                "name": "critic",
+            }
+        )
     optimizer = adamw(
-        param_groups(policy.model, cfg),
+        groups,
         lr=cfg.optim.lr,
         betas=tuple(cfg.optim.betas),
         weight_decay=cfg.optim.weight_decay,
@@ -636,6 +677,7 @@ def make_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> Tr
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg)),
         run_dir=run_dir,
+        value_head=value_head,
     )
 
 
@@ -670,8 +712,13 @@ def learn_from_rollouts(
     batch = batch.to(t.policy.device)  # engines that hold their own copy (vLLM, Ray) return host tensors
     deferred = rewards if isinstance(rewards, DeferredRewards) else None
     batch.response_mask = batch.response_mask.clone()  # masked row by row below
-    # c. Old and reference log-probs, before any reward is needed (masked rows set to 0 below).
-    old_logprobs, ref_logprobs = t.old_and_ref_logprobs(cfg, batch)
+    # c. Old and reference log-probs, before any reward is needed (masked rows set to 0 below);
+    #    with a critic, its values of the rollout from the same forward.
+    old_values = critic = None
+    if a.advantage in CRITIC_ESTIMATORS:
+        old_logprobs, ref_logprobs, old_values = t.old_ref_and_values(cfg, batch)
+    else:
+        old_logprobs, ref_logprobs = t.old_and_ref_logprobs(cfg, batch)
     inputs = StepInputs.empty(
         len(batch), old_logprobs, ref_logprobs, tis=tis_applies(cfg), rejection=cfg.algo.rejection != "off"
     )
@@ -697,6 +744,11 @@ def learn_from_rollouts(
             return {**skipped, "time/step_s": time.monotonic() - t0}
         inputs.fill(cfg, batch, range(len(batch)), rewards)
         inputs.normalize_weights(cfg, batch)
+        if old_values is not None:  # d. the critic's advantages, over the whole batch's tokens
+            env_parts = [r.components.get("env_return", 0.0) for r in rewards.results]
+            inputs.advantages, critic = critic_targets(
+                cfg, batch, inputs.scores, old_values, t.value_head, env_parts
+            )
     t2 = time.monotonic()
     step_cfg = t.stability.step_config(cfg)  # the adaptive entropy coefficient, if on
     # f. Policy update over mini-batches (with `hook`, each first waits for its groups' rewards
@@ -705,8 +757,9 @@ def learn_from_rollouts(
     try:
         with placed:  # offloadable reward models leave the accelerator while the policy trains
             metrics = t.update_policy(
-                step_cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights, hook
-            )
+                step_cfg, batch, inputs.advantages, inputs.old, inputs.ref, inputs.weights, hook,
+                **({} if critic is None else {"critic": critic}),
+            )  # fmt: skip
     except NonFiniteRewards as exc:
         # Every row is waited for (its error logged) and every non-finite reward counted, not
         # only the mini-batch's that raised. Mini-batches updated before it stay applied (undoing
@@ -752,7 +805,9 @@ def learn_from_rollouts(
     engine_facts = getattr(t.engine, "rollout_metrics", None)  # the HF engine's: LoRA merged, decode form
     metrics.update(engine_facts() if callable(engine_facts) else {})
     metrics.update(mismatch_source_metrics(cfg, batch, inputs.old, inputs.rejected))
-    metrics.update(step_metrics(batch, rewards, inputs.advantages, G))
+    metrics.update(step_metrics(batch, rewards, row_advantages(inputs.advantages, batch.response_mask), G))
+    if critic is not None:
+        metrics.update(critic_metrics(batch, inputs.advantages, critic))
     metrics.update(trajectory_metrics(batch, G))  # multi-turn: turns, tool calls, terminations
     if cfg.rollout.tokenization_check and batch.trajectories is not None:
         metrics.update(tokenization_drift(batch, t.policy.processor))
@@ -762,8 +817,9 @@ def learn_from_rollouts(
         metrics["reward/shaped_mean"] = float(inputs.scores.mean())
     if cfg.trainer.dump_steps and t.run_dir is not None:
         write_step_dump(
-            t.run_dir, step, batch, rewards, inputs.scores, inputs.advantages, inputs.old, inputs.ref
-        )
+            t.run_dir, step, batch, rewards, inputs.scores, row_advantages(inputs.advantages, batch.response_mask),
+            inputs.old, inputs.ref,
+        )  # fmt: skip
     generated = float(batch.response_mask.sum())
     metrics.update(
         {
@@ -889,11 +945,12 @@ class StepInputs:
             if a.kl_in_reward:
                 kl = kl_estimate(self.old[rows], self.ref[rows], "k1")
                 scores = kl_penalized_rewards(scores, kl, mask.float(), a.kl_coef)
-        # d. Advantages within each prompt's group.
-        self.advantages[rows] = compute_advantages(
-            cfg, scores, rewards, ~dropped, token_counts=mask.sum(dim=1),
-            baselines=None if self.baselines is None else self.baselines[rows],
-        )  # fmt: skip
+        # d. Advantages within each prompt's group (a critic's come after, over the whole batch).
+        if a.advantage not in CRITIC_ESTIMATORS:
+            self.advantages[rows] = compute_advantages(
+                cfg, scores, rewards, ~dropped, token_counts=mask.sum(dim=1),
+                baselines=None if self.baselines is None else self.baselines[rows],
+            )  # fmt: skip
         self.scores[rows] = scores
         self.dropped[rows] = dropped
         # e. Rollout rejection (whole responses out of the loss; their rewards stayed in their

@@ -16,22 +16,37 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from mmrl.algos.advantages import clip_advantages
+from mmrl.algos.critic import (
+    gae_advantages_returns,
+    place_turn_rewards,
+    turn_end_mask,
+    turn_level_gae,
+    value_loss,
+)
 from mmrl.algos.demonstrations import demonstration_loss
 from mmrl.algos.kl import kl_estimate, kl_in_loss
 from mmrl.algos.logprobs import chunk_positions
 from mmrl.algos.losses import aggregate, get_policy_loss, loss_denominator, loss_options
 from mmrl.algos.stability import forking_token_mask, off_policy_sequence_mask
-from mmrl.config import Config
+from mmrl.config import CRITIC_ESTIMATORS, Config
 from mmrl.models.adapters import adapters_disabled
 from mmrl.models.loading import Policy
 from mmrl.models.moe import RouterStats, router_modules
 from mmrl.models.precision import model_device
 from mmrl.train.batching import select_rows
 from mmrl.train.demonstrations import demonstrations
-from mmrl.train.forward import reference_hidden, response_logprobs, response_logprobs_and_full_kl
+from mmrl.train.forward import (
+    ValueHead,
+    reference_hidden,
+    response_logprobs,
+    response_logprobs_and_full_kl,
+    response_logprobs_and_values,
+)
 from mmrl.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -58,10 +73,117 @@ def old_from_update(cfg: Config) -> bool:
     it); the separate pass then covers the later mini-batches only (half of it with 2
     mini-batches, none with 1)."""
     a = cfg.algo
-    return a.old_logprobs == "recompute" and a.tis == "off" and a.rejection == "off" and not a.kl_in_reward
+    return (
+        a.old_logprobs == "recompute"
+        and a.tis == "off"
+        and a.rejection == "off"
+        and not a.kl_in_reward
+        and a.advantage not in CRITIC_ESTIMATORS  # the critic's advantages need every row's old values first
+    )
 
 
-@torch.no_grad()
+@dataclass
+class CriticTargets:
+    """What the value loss of `update_policy` needs: the value head (trained with the policy),
+    the rollout-time values the clip is around and the returns, both [N, R] float32 (0 off the
+    response mask)."""
+
+    head: ValueHead
+    values: torch.Tensor
+    returns: torch.Tensor
+
+
+def token_level_rewards(
+    cfg: Config, batch: RolloutBatch, scores: torch.Tensor, env_parts: list[float] | None = None
+) -> torch.Tensor:
+    """[N, R] float32 rewards of the critic's advantages: each row's (shaped) score on its last
+    model token (`gae`). With `turn_gae` on a multi-turn batch, each turn's environment reward
+    (`trajectories[i].turn_rewards` x `agent.env_reward_weight`) on that turn's last model token
+    (`mmrl.algos.critic.place_turn_rewards`) and the rest of the score, `env_parts[i]` (the
+    discounted return the score holds) taken out, on the last turn's: the turns' rewards then
+    reach earlier turns through `algo.high_level_gamma`, not `agent.turn_discount`. Environment
+    rewards past the mask's last turn are added to it. Rows without model tokens get none."""
+    mask = batch.response_mask != 0
+    ends = turn_end_mask(mask)
+    counts = ends.sum(dim=1)
+    last = ends & (ends.long().cumsum(dim=1) == counts.unsqueeze(1))
+    score = scores.to(device=mask.device, dtype=torch.float32).unsqueeze(1)
+    if cfg.algo.advantage != "turn_gae" or batch.trajectories is None:
+        return torch.where(last, score, torch.zeros((), dtype=torch.float32, device=mask.device))
+    n_turns = counts.tolist()
+    width = max([1, *n_turns])
+    weight = cfg.agent.env_reward_weight
+    table = []
+    for i, trajectory in enumerate(batch.trajectories):
+        row = [0.0] * width
+        n = n_turns[i]
+        if n > 0:
+            env = [weight * r for r in trajectory.turn_rewards] if trajectory.env_id else []
+            for k, r in enumerate(env):
+                row[min(k, n - 1)] += r
+            row[n - 1] += float(scores[i]) - (env_parts[i] if env_parts is not None else 0.0)
+        table.append(row)
+    per_turn = torch.tensor(table, dtype=torch.float32, device=mask.device)
+    return place_turn_rewards(per_turn, mask)
+
+
+def critic_targets(
+    cfg: Config,
+    batch: RolloutBatch,
+    scores: torch.Tensor,
+    values: torch.Tensor,
+    head: ValueHead,
+    env_parts: list[float] | None = None,
+) -> tuple[torch.Tensor, CriticTargets]:
+    """The critic's token-level advantages [N, R] (whitened over the batch's model tokens, then
+    `algo.adv_clip`) and the update's `CriticTargets`, from the rollout-time `values` [N, R]:
+    `algo.advantage=gae` is veRL's GAE over the tokens (`algo.gamma`, `algo.lam`), `turn_gae`
+    VAGEN's turn-level GAE (`algo.high_level_gamma` across turns). Observation tokens and
+    masked-out rows get no value, advantage or return (all 0)."""
+    a = cfg.algo
+    mask = batch.response_mask
+    values = values.masked_fill(mask == 0, 0.0)
+    rewards = token_level_rewards(cfg, batch, scores, env_parts)
+    if a.advantage == "turn_gae":
+        advantages, returns = turn_level_gae(rewards, values, mask, a.gamma, a.lam, a.high_level_gamma)
+    else:
+        advantages, returns = gae_advantages_returns(rewards, values, mask, a.gamma, a.lam)
+    returns = returns.masked_fill(mask == 0, 0.0)
+    advantages = clip_advantages(advantages, a.adv_clip or None)
+    return advantages, CriticTargets(head, values, returns)
+
+
+def critic_metrics(batch: RolloutBatch, advantages: torch.Tensor, targets: CriticTargets) -> dict[str, float]:
+    """The step's `critic/...` figures over the model tokens: the rollout-time values, the
+    returns, the explained variance 1 - Var[R - V] / Var[R] (of the rollout-time values), and
+    the token-level advantages' `adv/...` (replacing the per-row ones)."""
+    m = batch.response_mask != 0
+    if not bool(m.any()):
+        return {}
+    v, r, adv = targets.values[m], targets.returns[m], advantages[m]
+    var_r = r.var(unbiased=False)
+    explained = (
+        1.0 - (r - v).var(unbiased=False) / var_r if float(var_r) > 0 else torch.zeros((), device=r.device)
+    )
+    return {
+        "critic/values_mean": float(v.mean()),
+        "critic/returns_mean": float(r.mean()),
+        "critic/explained_var": float(explained),
+        "adv/mean": float(adv.mean()),
+        "adv/std": float(adv.std()) if adv.numel() > 1 else 0.0,
+        "adv/abs_max": float(adv.abs().max()),
+    }
+
+
+def row_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N]: the advantages themselves, or per-token ones [N, R] averaged over each row's mask
+    (for the per-row step metrics and dumps)."""
+    if advantages.dim() == 1:
+        return advantages
+    m = mask.float()
+    return (advantages * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+
+
 def old_and_ref_logprobs(
     cfg: Config,
     policy: Policy,
@@ -69,7 +191,24 @@ def old_and_ref_logprobs(
     batch: RolloutBatch,
     first_from_update: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [N, R] of the sampling policy ("old") and of the reference.
+    """Log-probs [N, R] of the sampling policy ("old") and of the reference (`old_ref_and_values`
+    without a critic)."""
+    old, ref, _ = old_ref_and_values(cfg, policy, reference, batch, first_from_update)
+    return old, ref
+
+
+@torch.no_grad()
+def old_ref_and_values(
+    cfg: Config,
+    policy: Policy,
+    reference: torch.nn.Module | str | None,
+    batch: RolloutBatch,
+    first_from_update: bool = False,
+    value_head: ValueHead | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Log-probs [N, R] of the sampling policy ("old") and of the reference, and with a
+    `value_head` the critic's values [N, R] of the rollout (from the same policy forward as the
+    old log-probs, which runs for them even when the old log-probs are the rollout's).
 
     Computed in the same chunks as the first pass of the update, so the first on-policy
     mini-batch sees a ratio of exactly 1. `reference` is a frozen copy, the string
@@ -80,13 +219,16 @@ def old_and_ref_logprobs(
     T = cfg.rollout.temperature
     chunk = logits_chunk(cfg, policy)
     old = batch.rollout_logprobs if cfg.algo.old_logprobs == "rollout" else None
-    if old is not None and reference is None:
-        return old, None
+    if old is not None and reference is None and value_head is None:
+        return old, None, None
     row_sets = row_chunks(cfg, len(batch))
     chunks: dict[int, RolloutBatch] = {}  # selected once, when a pass first needs them
     first = len(batch) // cfg.trainer.mini_batches if first_from_update else 0
+    values: list[torch.Tensor] = []
 
-    def logprobs_of(model: torch.nn.Module, skip_first: bool = False) -> torch.Tensor:
+    def logprobs_of(
+        model: torch.nn.Module, skip_first: bool = False, head: ValueHead | None = None
+    ) -> torch.Tensor:
         parts = []
         for i, rows in enumerate(row_sets):
             if skip_first and rows[-1] < first:
@@ -95,19 +237,28 @@ def old_and_ref_logprobs(
                 continue
             if i not in chunks:
                 chunks[i] = select_rows(batch, rows)
-            parts.append(response_logprobs(model, chunks[i], policy.blocked, T, chunk=chunk)[0])
+            if head is None:
+                parts.append(response_logprobs(model, chunks[i], policy.blocked, T, chunk=chunk)[0])
+            else:
+                logp, _, v = response_logprobs_and_values(
+                    model, chunks[i], policy.blocked, T, head, chunk=chunk
+                )
+                parts.append(logp)
+                values.append(v)
         return torch.cat(parts)
 
     with policy.autocast():
-        if old is None:
-            old = logprobs_of(policy.model, skip_first=first > 0)
+        if old is None or value_head is not None:
+            computed = logprobs_of(policy.model, skip_first=first > 0, head=value_head)
+            old = computed if old is None else old
+        critic_values = torch.cat(values) if value_head is not None else None
         if reference is None:
-            return old, None
+            return old, None, critic_values
         if reference == "adapters_disabled":
             with adapters_disabled(policy.model):
-                return old, logprobs_of(policy.model)
+                return old, logprobs_of(policy.model), critic_values
         with on_device(reference, policy.device):  # a reference kept on the host visits the device
-            return old, logprobs_of(reference)
+            return old, logprobs_of(reference), critic_values
 
 
 def logits_chunk(cfg: Config, policy: Policy) -> int:
@@ -156,11 +307,16 @@ class OptimizerSteps:
 
 class TorchSteps(OptimizerSteps):
     """`OptimizerSteps` of a torch optimizer: `loss.backward()`, global-norm clipping over its
-    parameters, `optimizer.step()`."""
+    parameters, `optimizer.step()`. A value head's parameter group (named `critic`) is clipped
+    on its own, by the same bound, and its norm kept in `critic_grad_norm`: the value loss's
+    gradient does not shrink the policy's through a shared norm."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_clip: float):
         self.optimizer, self.grad_clip = optimizer, grad_clip
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        groups = optimizer.param_groups
+        self.params = [p for g in groups if g.get("name") != "critic" for p in g["params"]]
+        self.critic_params = [p for g in groups if g.get("name") == "critic" for p in g["params"]]
+        self.critic_grad_norm = math.nan
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -172,6 +328,14 @@ class TorchSteps(OptimizerSteps):
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip if self.grad_clip > 0 else math.inf)
         )
+        if self.critic_params:
+            self.critic_grad_norm = float(
+                torch.nn.utils.clip_grad_norm_(
+                    self.critic_params, self.grad_clip if self.grad_clip > 0 else math.inf
+                )
+            )
+            if not math.isfinite(self.critic_grad_norm):
+                grad_norm = self.critic_grad_norm  # no step: the caller counts it as skipped
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:
@@ -194,10 +358,15 @@ def update_policy(
     before_minibatch: Callable[[list[int]], None] | None = None,
     reference: torch.nn.Module | str | None = None,
     old_from_first_pass: bool = False,
+    critic: CriticTargets | None = None,
 ) -> dict[str, float]:
     """`ppo_epochs` passes of `mini_batches` optimizer steps over the rollout batch.
 
-    Shapes: advantages [N]; old/ref log-probs and TIS weights [N, R] (R = response width).
+    Shapes: advantages [N] (or [N, R] per token, a critic's); old/ref log-probs and TIS weights
+    [N, R] (R = response width). With `critic` (PPO with a value head), each micro-batch's
+    forward also gives the head's values and the clipped value loss
+    (`mmrl.algos.critic.value_loss`, aggregated as the policy loss) is added times
+    `algo.vf_coef`; the head steps with the policy (`critic/...` metrics).
     `reference` (a frozen copy or "adapters_disabled") is needed only by the exact KL
     (`algo.kl_estimator=full`), which runs it on each micro-batch.
     `before_minibatch(rows)`, if given, is called before each mini-batch of the first epoch
@@ -219,6 +388,7 @@ def update_policy(
     sums: dict[str, float] = defaultdict(float)
     extremes: dict[str, float] = {}
     grad_norms: list[float] = []
+    critic_norms: list[float] = []
     skipped = 0
     steps = optimizer if isinstance(optimizer, OptimizerSteps) else TorchSteps(optimizer, cfg.optim.grad_clip)
 
@@ -229,24 +399,33 @@ def update_policy(
     G = cfg.rollout.group_size
     demos = demonstrations(policy, batch, G) if a.demo_loss != "off" and a.demo_coef > 0 else None
 
-    def forward(sub: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Log-probs, entropy and (exact KL only) the per-token KL to the reference, [n, R]."""
+    def forward(
+        sub: RolloutBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Log-probs, entropy, (exact KL only) the per-token KL to the reference and (with a
+        critic) the values, [n, R]."""
         with policy.autocast():  # the backward runs outside autocast, as torch recommends
+            if critic is not None:
+                logprobs, entropy, values = response_logprobs_and_values(
+                    model, sub, policy.blocked, cfg.rollout.temperature, critic.head,
+                    with_entropy=True, entropy_grad=a.entropy_coef > 0, chunk=chunk,
+                )  # fmt: skip
+                return logprobs, entropy, None, values
             if full_kl:
                 if reference == "adapters_disabled":
                     with adapters_disabled(model):
                         ref = reference_hidden(model, sub)
                 else:
                     ref = reference_hidden(reference, sub)
-                return response_logprobs_and_full_kl(
+                return (*response_logprobs_and_full_kl(
                     model, sub, policy.blocked, cfg.rollout.temperature, ref,
                     entropy_grad=a.entropy_coef > 0, chunk=chunk,
-                )  # fmt: skip
+                ), None)  # fmt: skip
             logprobs, entropy = response_logprobs(
                 model, sub, policy.blocked, cfg.rollout.temperature,
                 with_entropy=True, entropy_grad=a.entropy_coef > 0, chunk=chunk,
             )  # fmt: skip
-            return logprobs, entropy, None
+            return logprobs, entropy, None, None
 
     def demo_logprobs(sub: RolloutBatch) -> torch.Tensor:
         with policy.autocast():
@@ -280,11 +459,11 @@ def update_policy(
                     sub = select_rows(batch, rows)
                     mask = sub.response_mask.float()  # [n, R]
                     if i == 0 and early is not None:
-                        logprobs, entropy, token_kl = (
+                        logprobs, entropy, token_kl, vpreds = (
                             None if x is None else x.masked_fill(mask == 0, 0.0) for x in early
                         )
                     else:
-                        logprobs, entropy, token_kl = forward(sub)
+                        logprobs, entropy, token_kl, vpreds = forward(sub)
                     if old_from_first_pass and epoch == 0 and start == 0:
                         old_logprobs[rows] = logprobs.detach().masked_fill(mask == 0, 0.0)
                     weights = None if tis_weights is None else tis_weights[rows]
@@ -336,6 +515,15 @@ def update_policy(
                         for key in ("demo/nll", "demo/token_prob", "demo/trust_frac"):
                             sums[key] += demo_metrics[key] * n_demo
                         counts["demo"] += n_demo
+                    if critic is not None:  # the clipped value loss, over the same tokens
+                        v_loss, vf_clipfrac = value_loss(
+                            vpreds, critic.returns[rows], critic.values[rows], mask, a.cliprange_value,
+                            a.loss_agg, denom=denom, max_len=max_len,
+                        )  # fmt: skip
+                        loss = loss + a.vf_coef * v_loss
+                        sums["critic/value_loss"] += v_loss.item()
+                        sums["critic/vf_clipfrac"] += float(vf_clipfrac) * float(mask.sum())
+                        sums["critic/vpred_mean"] += float((vpreds.detach() * mask).sum())
                     if not torch.isfinite(loss):
                         finite = False
                         log.warning(
@@ -384,6 +572,8 @@ def update_policy(
                     )
                     continue
                 grad_norms.append(grad_norm)
+                if critic is not None and isinstance(steps, TorchSteps):
+                    critic_norms.append(steps.critic_grad_norm)
 
     # Losses: the mean mini-batch loss; the rest: token-weighted means over every mini-batch of
     # every epoch; the gradient norm: the mean over the optimizer steps taken.
@@ -395,7 +585,7 @@ def update_policy(
             metrics[key] = value / max(counts["opsm"], 1.0)  # row-weighted
         elif key in ("demo/nll", "demo/token_prob", "demo/trust_frac"):
             metrics[key] = value / max(counts["demo"], 1.0)  # demonstration-token-weighted
-        elif key in ("actor/pg_loss", "actor/ref_kl", "demo/loss"):
+        elif key in ("actor/pg_loss", "actor/ref_kl", "demo/loss", "critic/value_loss"):
             metrics[key] = value / n_minibatches
         else:
             metrics[key] = value / tokens_total
@@ -405,5 +595,7 @@ def update_policy(
     if isinstance(routing, RouterStats):
         metrics.update(routing.metrics())
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    if critic is not None:
+        metrics["critic/grad_norm"] = sum(critic_norms) / len(critic_norms) if critic_norms else float("nan")
     metrics["actor/skipped_steps"] = float(skipped)
     return metrics
