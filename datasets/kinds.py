@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from PIL import Image
 
 
@@ -18,7 +17,8 @@ from PIL import Image
 class Drawn:
     """One generated example."""
 
-    image: Image.Image
+    image: Image.Image | None
+    """The prompt's image; None for a kind whose picture comes from its environment's reset."""
     question: str
     ground_truth: Any
     reference: str
@@ -38,17 +38,20 @@ class Kind:
     """Task family, the first part of the data source (`vision_reasoning/colour_code`)."""
     stream: int
     """Fixed random-stream id, so adding kinds never changes another kind's data."""
-    draw: Callable[[np.random.Generator, int], Drawn]
+    draw: Callable[..., Drawn]
+    takes_split: bool = False
+    """`draw(rng, size, split)`: the kind keeps its own held-out items out of the other splits
+    (e.g. `minigrid`'s layouts), beyond drawing each split from its own random stream."""
 
 
 _KINDS: dict[str, Kind] = {}
 
 
-def register_kind(name: str, task: str, stream: int):
-    def wrap(fn: Callable[[np.random.Generator, int], Drawn]):
+def register_kind(name: str, task: str, stream: int, takes_split: bool = False):
+    def wrap(fn: Callable[..., Drawn]):
         if name in _KINDS or any(k.stream == stream for k in _KINDS.values()):
             raise ValueError(f"kind {name!r} or stream {stream} already registered")
-        _KINDS[name] = Kind(name, task, stream, fn)
+        _KINDS[name] = Kind(name, task, stream, fn, takes_split)
         return fn
 
     return wrap

@@ -13,9 +13,9 @@ import hashlib
 import numpy as np
 from PIL import Image
 
-from mmrl.datasets import perception, vision_reasoning, visual_search  # noqa: F401 - the built-in kinds register
+from mmrl.datasets import minigrid, perception, vision_reasoning, visual_search  # noqa: F401 - the built-in kinds register
 from mmrl.datasets.kinds import Drawn, Kind, register_kind, registered_kinds
-from mmrl.types import AgentSpec, RewardSpec, Sample
+from mmrl.types import AgentSpec, EnvSpec, RewardSpec, Sample
 
 __all__ = [
     "SPLITS",
@@ -54,12 +54,17 @@ def make_samples(
     for i in range(n):
         kind = known[kinds_[i % len(kinds_)]]
         rng = np.random.default_rng([seed, SPLITS[split], kind.stream, i])
-        drawn = kind.draw(rng, image_size)
+        drawn = kind.draw(rng, image_size, split) if kind.takes_split else kind.draw(rng, image_size)
         samples.append(
             Sample(
                 data_source=f"{kind.task}/{kind.name}",
-                prompt=[{"role": "user", "content": "<image>" + drawn.question}],
-                images=[drawn.image],
+                prompt=[
+                    {
+                        "role": "user",
+                        "content": ("<image>" if drawn.image is not None else "") + drawn.question,
+                    }
+                ],
+                images=[drawn.image] if drawn.image is not None else [],
                 ability=drawn.ability,
                 reward_model=RewardSpec(
                     ground_truth=drawn.ground_truth,
@@ -72,10 +77,17 @@ def make_samples(
                     "demonstration": drawn.reference,  # a reference solution (`algo.demo_loss`)
                     **drawn.details,
                 },
-                agent=AgentSpec(**drawn.agent) if drawn.agent is not None else None,
+                agent=_agent_spec(drawn.agent),
             )
         )
     return samples
+
+
+def _agent_spec(agent: dict | None) -> AgentSpec | None:
+    if agent is None:
+        return None
+    env = agent.get("env")
+    return AgentSpec(**{**agent, "env": EnvSpec(**env) if isinstance(env, dict) else env})
 
 
 def reference_response(sample: Sample) -> str:

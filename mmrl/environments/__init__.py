@@ -17,7 +17,10 @@ step; MiniGrid's small tasks register on import (`mmrl.environments.minigrid_env
     step = step_sessions([session], [model_text], limits)[0]       # .observation .reward .error
 """
 
-from mmrl.environments import builtin  # noqa: F401 - registers the built-in tools
+from mmrl.environments import (
+    builtin,  # noqa: F401 - registers the built-in tools
+    grid_goal,  # noqa: F401 - registers minigrid-goal
+)
 from mmrl.environments.envs import (
     ENDING_ERRORS,
     ERROR_KINDS,

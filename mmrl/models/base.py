@@ -115,15 +115,20 @@ def _demonstrations(
     """One warm-up batch: each sample's reference answer, teacher-forced. Samples with a tool
     demonstration (`visual_search`) get a supervised cold start (Mini-o3, Chain-of-Focus): the
     whole trajectory (the call, the tool's real observation, the answer), except a share
-    `model.warmup.direct_fraction` that answer directly with the tools switched off."""
-    if not any("tool_demonstration" in s.extra_info for s in samples):
+    `model.warmup.direct_fraction` that answer directly with the tools switched off. Samples
+    that act in an environment (`minigrid`) get their expert's episode: each action word a
+    turn, each of the environment's observations between them."""
+    if not any(k in s.extra_info for s in samples for k in ("tool_demonstration", "env_demonstration")):
         return teacher_forced_batch(policy, samples, [reference_response(s) for s in samples])
     from mmrl.datasets.visual_search import without_tools
     from mmrl.rollout.multiturn import demonstration_batch
 
     rows, turns = [], []
     for s in samples:
-        if "tool_demonstration" in s.extra_info and rng.random() >= cfg.model.warmup.direct_fraction:
+        if "env_demonstration" in s.extra_info:
+            rows.append(s)
+            turns.append(list(s.extra_info["env_demonstration"]))
+        elif "tool_demonstration" in s.extra_info and rng.random() >= cfg.model.warmup.direct_fraction:
             rows.append(s)
             turns.append(list(s.extra_info["tool_demonstration"]))
         else:

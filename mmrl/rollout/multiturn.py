@@ -117,7 +117,8 @@ def generate_trajectories(
     if not uses_tools(samples) or getattr(engine, "runs_trajectories", False):
         return engine.generate(samples, params, on_response=on_response)  # (Ray: each worker loops)
     processor = engine.processor
-    ensure_tool_template(processor)  # (a Qwen2-VL checkpoint's own template has no tool section)
+    if any(s.agent is not None and s.agent.tools for s in samples):
+        ensure_tool_template(processor)  # (a Qwen2-VL checkpoint's own template has no tool section)
     # What the engine keeps between turns (the HF engine: key/value caches and every image's
     # processor output); each image goes through the image processor once per call either way.
     turns = engine.turn_cache() if callable(getattr(engine, "turn_cache", None)) else None
@@ -566,20 +567,28 @@ def agent_reward(trajectory: Trajectory, accuracy: float, agent: AgentConfig) ->
     return {"tool_reward": agent.tool_reward_weight * trajectory.tool_reward, **env}
 
 
+def env_succeeded(trajectory: Trajectory) -> bool:
+    """The environment ended the episode (terminated, not cut) with a positive return: MiniGrid
+    rewards only reaching the goal."""
+    return trajectory.termination == "env_done" and trajectory.env_return > 0
+
+
 def shape_results(results: list, trajectories: list[Trajectory], agent: AgentConfig) -> list:
     """The verifier results with the tools' part added (`agent_reward`) as new objects (the
     router's own results are shared between calls and are not changed). A verifier error
-    stays as it is: nothing is added to an error result."""
+    stays as it is: nothing is added to an error result. A trajectory in an environment whose
+    verifier has no `accuracy` (the `env` verifier) gets its success (`env_succeeded`) as one."""
     out = []
     for result, trajectory in zip(results, trajectories):
         if result.error is not None:
             out.append(result)
             continue
         parts = agent_reward(trajectory, result.components.get("accuracy", result.score), agent)
+        components = {**result.components, **parts}
+        if trajectory.env_id and "accuracy" not in result.components:  # (`env`: success is the accuracy)
+            components["accuracy"] = float(env_succeeded(trajectory))
         out.append(
-            dataclasses.replace(
-                result, score=result.score + sum(parts.values()), components={**result.components, **parts}
-            )
+            dataclasses.replace(result, score=result.score + sum(parts.values()), components=components)
         )
     return out
 
@@ -616,7 +625,7 @@ def trajectory_summary(trajectories: list[Trajectory]) -> dict[str, float]:
         for t in in_env:
             env_errors.update(t.env_errors)
         out["env_return"] = sum(t.env_return for t in in_env) / m
-        out["env_success"] = sum(t.termination == "env_done" and t.env_return > 0 for t in in_env) / m
+        out["env_success"] = sum(env_succeeded(t) for t in in_env) / m
         out["env_steps"] = steps / m
         out["env_bad_action_rate"] = env_errors.get("bad_action", 0) / turns if turns else 0.0
         for reason in ENV_ENDS:
@@ -701,16 +710,29 @@ def demonstration_batch(
     """Teacher-forced trajectories (a supervised cold start's batch): per sample the model turns
     to force, `turns[i]`. Each turn is tokenized alone with the stop token appended; the calls of
     every turn but the last really run, and their observations are appended as in a rollout, so
-    the batch is laid out exactly as the loop would lay out the same turns. A one-turn row is a
-    single-turn demonstration. Log-probs are 0."""
+    the batch is laid out exactly as the loop would lay out the same turns. A sample that acts in
+    an environment gets its own env instance, reset with its seed as in a rollout (the first
+    observation in its prompt), and every turn but the last steps it with that turn's action
+    (the demonstration must be valid: an env that ends early, or an invalid action, raises
+    ValueError naming the sample). A one-turn row is a single-turn demonstration. Log-probs are 0."""
     from mmrl.environments import parse_tool_calls
     from mmrl.rollout.hf import encode_prompts, prompt_batch
 
     agent = agent or AgentConfig()
+    sessions = open_sessions(samples, 1, agent)
+    if sessions is not None:
+        samples = sessions.samples
     inputs = encode_prompts(processor, samples)
     first = prompt_batch(samples, inputs, processor)
     limits = _limits(agent)
     rows = [_start_row(first, r, agent) for r in range(len(samples))]
+    if sessions is not None:
+        for row, session, failed in zip(rows, sessions.rows, sessions.failed):
+            if failed is not None:
+                raise ValueError(f"sample {row.sample.id}: its environment's reset failed ({failed})")
+            row.session = session
+            if session is not None:
+                row.info.env_id = row.sample.agent.env.id
     tokenizer = processor.tokenizer
     depth = max(len(t) for t in turns)
     for k in range(depth):
@@ -719,17 +741,34 @@ def demonstration_batch(
                 ids = tokenizer(texts[k], add_special_tokens=False)["input_ids"] + [stop_token_id]
                 row.add_turn(ids, [0.0] * len(ids), texts[k])
                 row.info.turns = k + 1
-        pending = [
-            (r, parse_tool_calls(texts[k], agent.call_format))
-            for r, texts in enumerate(turns)
-            if k + 1 < len(texts)
+        going = [r for r, texts in enumerate(turns) if k + 1 < len(texts)]
+        tool_rows = [
+            (r, parse_tool_calls(turns[r][k], agent.call_format)) for r in going if rows[r].session is None
         ]
-        if pending:  # every row's observation of this turn tokenized at once, as the loop does
-            observed = observation_batch(processor, _run_tools(rows, pending, limits))
-            for (r, _), (ids, images, messages) in zip(pending, observed):
+        env_rows = [r for r in going if rows[r].session is not None]
+        observed = dict(zip([r for r, _ in tool_rows], _run_tools(rows, tool_rows, limits)))
+        for r, obs in zip(env_rows, _step_envs(rows, env_rows, agent)):
+            if obs is None or rows[r].info.env_errors:
+                raise ValueError(
+                    f"sample {rows[r].sample.id}: demonstration turn {k + 1} ({turns[r][k]!r}) "
+                    f"{'ended the episode early' if obs is None else 'is not a valid action'} "
+                    f"({rows[r].info.termination if obs is None else obs[0].text})"
+                )
+            observed[r] = obs
+        if going:  # every row's observation of this turn tokenized at once, as the loop does
+            roles = ["tool" if rows[r].session is None else "user" for r in going]
+            encoded = observation_batch(processor, [observed[r] for r in going], None, roles)
+            for r, (ids, images, messages) in zip(going, encoded):
                 rows[r].add_observation(ids, images, messages)
+    env_rows = [r for r, row in enumerate(rows) if row.session is not None]
+    for r, obs in zip(env_rows, _step_envs(rows, env_rows, agent)):  # (the last action: its reward)
+        if obs is not None:
+            rows[r].end("max_turns")
     for row in rows:
-        row.end("answer")
+        if not row.done:
+            row.end("answer")
+    if sessions is not None:
+        sessions.close()
     return assemble(first, rows, processor, pad_token_id, agent)
 
 

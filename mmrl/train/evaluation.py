@@ -66,7 +66,7 @@ def run_evaluation(
     config's defaults if None), and the `eval/agent/...` metrics report its turns and tool use."""
     from tqdm import tqdm
 
-    from mmrl.rollout.multiturn import generate_trajectories, trajectory_metrics
+    from mmrl.rollout.multiturn import generate_trajectories, shape_results, trajectory_metrics
 
     bar = tqdm(total=len(samples), desc="held-out eval", unit="resp", disable=not progress, leave=False)
 
@@ -86,9 +86,12 @@ def run_evaluation(
     if should_stop is not None and should_stop():
         raise EvaluationInterrupted()
     rewards = router.score(batch.samples, batch.texts, context or VerifyContext())
+    results = rewards.results
+    if batch.trajectories is not None:  # tool and environment parts, as training scores them
+        results = shape_results(results, batch.trajectories, agent or AgentConfig())
     per_source: dict[str, list[float]] = defaultdict(list)
     accuracies = []
-    for sample, result in zip(batch.samples, rewards.results):
+    for sample, result in zip(batch.samples, results):
         acc = result.components.get("accuracy", result.score)
         accuracies.append(acc)
         per_source[sample.data_source].append(acc)
@@ -99,7 +102,11 @@ def run_evaluation(
         "eval/accuracy_low": low,  # its 95% interval (mmrl.stats.mean_interval) over
         "eval/accuracy_high": high,
         "eval/n": float(len(accuracies)),  # this many held-out prompts
-        "eval/reward": float(rewards.scores.mean()),
+        "eval/reward": (
+            float(rewards.scores.mean())
+            if results is rewards.results
+            else sum(r.score for r in results) / max(len(results), 1)
+        ),
         "eval/response_length": float(lengths.mean()),
         "eval/verifier_errors": float(sum(rewards.errors.values())),
     }
@@ -109,7 +116,7 @@ def run_evaluation(
     metrics.update({f"eval/{k}": v for k, v in trajectory_metrics(batch, 1).items()})
     rows = [
         generation_row(sample, text, result)
-        for sample, text, result in zip(batch.samples[:generations], batch.texts, rewards.results)
+        for sample, text, result in zip(batch.samples[:generations], batch.texts, results)
     ]
     return Evaluation(metrics, rows)
 
