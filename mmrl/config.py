@@ -1067,17 +1067,22 @@ class Config:
         ]
 
     def _remote_url_checks(self) -> list[tuple[bool, str]]:
-        """`reward.remote_url`: one URL or a non-empty list of distinct ones."""
+        """`reward.remote_url`: one http(s) URL or a non-empty list of distinct ones (any other
+        scheme, `ftp://...` or none, is refused here, not retried until the client gives up)."""
         urls = self.reward.remote_url
-        if urls is None or isinstance(urls, str):
+        if urls is None:
             return []
+        if isinstance(urls, str):
+            return [(is_http_url(urls), f"reward.remote_url: {urls!r} {HTTP_URL_NEEDED}")]
         urls = list(urls)
+        not_http = [u for u in urls if isinstance(u, str) and u and not is_http_url(u)]
         return [
             (bool(urls), "reward.remote_url is an empty list (null: score locally)"),
             (
                 all(isinstance(u, str) and u for u in urls),
                 f"reward.remote_url: every entry must be a URL, got {urls}",
             ),
+            (not not_http, f"reward.remote_url: {not_http[0]!r} {HTTP_URL_NEEDED}" if not_http else ""),
             (len(set(urls)) == len(urls), f"reward.remote_url lists a server twice: {urls}"),
         ]
 
@@ -1208,6 +1213,20 @@ class Config:
                 "algo.ref_reset_every / ref_reset_kl need trainer.backend=local",
             ),
         ]
+
+
+HTTP_URL_NEEDED = "is not an http:// or https:// URL (a reward server's address, e.g. http://host:8000)"
+
+
+def is_http_url(url: str) -> bool:
+    """An `http://` or `https://` URL with a host: what a reward server (`mmrl serve`) answers on."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:  # e.g. an invalid IPv6 address
+        return False
+    return parts.scheme.lower() in ("http", "https") and bool(parts.hostname)
 
 
 def task_names() -> list[str]:

@@ -20,6 +20,7 @@ from mmrl.config import load_config
 from mmrl.datasets.procedural import make_samples
 from mmrl.server.client import (
     RemoteRouter,
+    RewardClient,
     RewardRequestError,
     RewardServerPool,
     RewardServiceUnavailable,
@@ -190,6 +191,21 @@ def test_the_config_takes_a_list_of_servers_and_the_router_spreads_over_them():
     for bad, message in (("[]", "empty list"), (f"[{URLS[0]},{URLS[0]}]", "twice")):
         with pytest.raises(ValueError, match=message):
             load_config(overrides=[f"reward.remote_url={bad}"])
+
+
+@pytest.mark.parametrize(
+    "value", ["ftp://r0:8000", "r0:8000", "file:///tmp/x", "[http://r0:8000,ftp://r1:8000]", "http://"]
+)
+def test_a_remote_url_that_is_not_http_is_refused_at_once_naming_it(value):
+    """Issue 48, item 19: `ftp://...` was retried for 120 s before it failed."""
+    bad = value.strip("[]").split(",")[-1]
+    with pytest.raises(
+        ValueError, match=rf"reward.remote_url: '{re.escape(bad)}' is not an http:// or https:// URL"
+    ):
+        load_config(overrides=[f"reward.remote_url={value}"])
+    with pytest.raises(ValueError, match=rf"'{re.escape(bad)}' is not an http:// or https:// URL"):
+        RewardClient(bad)
+    assert load_config(overrides=["reward.remote_url=HTTPS://r0"]).reward.remote_url == "HTTPS://r0"
 
 
 # ---------------------------------------------------------------------------------------------

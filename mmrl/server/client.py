@@ -76,7 +76,12 @@ class RewardServiceUnavailable(RewardServiceError):
 
 
 def base_url(url: str) -> str:
-    """`http://host:port` from a base URL or an endpoint URL (`.../get_reward` is accepted)."""
+    """`http://host:port` from a base URL or an endpoint URL (`.../get_reward` is accepted); a
+    URL that is not http(s) is a `ValueError` at once (it would only fail on every retry)."""
+    from mmrl.config import HTTP_URL_NEEDED, is_http_url
+
+    if not is_http_url(url):
+        raise ValueError(f"reward server URL {url!r} {HTTP_URL_NEEDED}")
     url = url.strip().rstrip("/")
     for endpoint in ENDPOINTS:
         if url.endswith(endpoint):
