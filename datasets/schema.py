@@ -36,6 +36,12 @@ MAX_PROMPT_CHARS = 200_000
 is refused at load time instead of dying later inside the tokenizer (`data.max_prompt_chars`)."""
 
 
+MAX_ASPECT_RATIO = 200
+"""Longest side over shortest side of an image a sample may have: the Qwen2-VL-family image
+processors (the built-in base's among them) refuse more ("absolute aspect ratio must be smaller
+than 200"), which would otherwise stop training mid-step without naming the sample."""
+
+
 class SampleError(ValueError):
     """A record that is not a valid sample. The message says where and which field."""
 
@@ -194,9 +200,16 @@ def _check_images(images: Any, base_dir: Path | None, check: bool, fail) -> list
         source = _image_source(item, base_dir, field, fail)
         if check:
             try:
-                load_image(source)
+                width, height = load_image(source).size
             except ImageError as exc:
                 raise fail(field, str(exc)) from None
+            if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+                what = source if isinstance(source, str) else "image"
+                raise fail(
+                    field,
+                    f"{what}: {width}x{height} pixels, an aspect ratio of {max(width, height) / min(width, height):,.0f}:1, "
+                    f"more than the {MAX_ASPECT_RATIO}:1 that VLM image processors take (Qwen2-VL's refuses it)",
+                )
         out.append(source)
     return out
 

@@ -97,6 +97,21 @@ def test_a_bad_record_names_file_line_id_and_field(tmp_path, change, field, prob
     assert problem in message
 
 
+def test_an_image_too_elongated_for_the_processor_names_file_line_and_field(tmp_path):
+    """Issue 48, item 19: Qwen2-VL's processor refuses an aspect ratio over 200:1 mid-step,
+    naming nothing; data loading refuses it first, naming the record."""
+    Image.new("RGB", (402, 2)).save(tmp_path / "strip.png")
+    Image.new("RGB", (2, 400)).save(tmp_path / "ok.png")  # 200:1 is still taken
+    path = _write(
+        tmp_path, [_record(images=["ok.png"], extra_info={"id": "ok"}), _record(images=["strip.png"])]
+    )
+    with pytest.raises(SampleError) as info:
+        read_samples(path)
+    message = str(info.value)
+    assert f"{path}:2 (id=toy-1): field 'images[0]'" in message
+    assert "strip.png: 402x2 pixels, an aspect ratio of 201:1, more than the 200:1" in message
+
+
 def test_missing_id_and_duplicate_ids_are_errors(tmp_path):
     with pytest.raises(SampleError, match=r"data.jsonl:1: field 'extra_info.id': missing"):
         read_samples(_write(tmp_path, [_record(extra_info={})]))
