@@ -4,7 +4,8 @@ A checkpoint is a folder `<run_dir>/checkpoints/step_<n>/` holding:
 
     model/              the policy in Hugging Face format (LoRA: the adapters) + processor
     trainer_state.pt    optimizer, scheduler, RNG states (Python, NumPy, torch), the prompt
-                        sampler's position, step counters and the evaluation trackers
+                        sampler's position, step counters and the evaluation trackers (and
+                        with a critic, `algo.advantage=gae` / `turn_gae`, its value head)
     config.yaml         the resolved config
     manifest.json       every file's size and SHA-256, written last
 
