@@ -432,6 +432,14 @@ BAD_REQUESTS = [
         "responses: must be an array",
     ),
     (
+        "an unknown key",
+        "/score",
+        {"samples": [record("math", "1")], "responses": ["x"], "sampels": [record("math", "2")]},
+        400,
+        "'sampels': unknown key of a /score request (known: samples, responses, sample_index, context, "
+        "timeout_s); did you mean 'samples'?",
+    ),
+    (
         "a response not a string",
         "/score",
         {"samples": [record("math", "1")], "responses": [1]},

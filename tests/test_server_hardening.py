@@ -143,6 +143,30 @@ def test_deep_prompt_and_extra_info_are_refused(field):
         parse_score_request({"samples": [record], "responses": ["x"]}, KNOWN, 8)
 
 
+def test_an_unknown_key_of_a_score_request_is_a_400_naming_it():
+    """Issue 48, item 19: `sampels` (or `timeout`) was silently ignored."""
+    record = {"reward_model": {"verifier": "math", "ground_truth": "3"}}
+    for body, key, hint in (
+        ({"samples": [record], "responses": ["x"], "sampels": [record]}, "sampels", "samples"),
+        ({"sampels": [record], "responses": ["x"]}, "sampels", "samples"),
+        ({"samples": [record], "responses": ["x"], "timeout": 5}, "timeout", "timeout_s"),
+        ({"samples": [record], "responses": ["x"], "verbose": True}, "verbose", None),
+    ):
+        with pytest.raises(RequestError) as info:
+            parse_score_request(body, KNOWN, 8)
+        assert info.value.status == 400
+        assert info.value.message.startswith(f"{key!r}: unknown key of a /score request (known: samples, ")
+        assert (f"did you mean {hint!r}?" in info.value.message) == (hint is not None)
+    full = {
+        "samples": [record],
+        "responses": ["x"],
+        "sample_index": [0],
+        "context": {"step": 1},
+        "timeout_s": 5,
+    }
+    assert len(parse_score_request(full, KNOWN, 8).items) == 1
+
+
 def test_deep_judge_fields_are_named():
     deep = {"a": 1}
     for _ in range(MAX_JSON_DEPTH + 1):

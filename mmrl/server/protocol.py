@@ -15,6 +15,8 @@ and every check here raises `RequestError(status, message)` naming the field tha
                      "extracted": "3"}, ...],
         "errors": 0}
 
+Any other key (a misspelt `sampels`) is a 400 naming it, with the closest known key.
+
 A sample record is mmrl's (V-Triune's) sample format; only `reward_model` is required here:
 `{"data_source", "prompt", "images", "ability", "reward_model": {"ground_truth", "verifier",
 "verifier_params" (or V-Triune's "verifier_parm", an object or a JSON string; a parameter
@@ -510,6 +512,24 @@ class ParsedBatch:
     """The request's own time limit, if it set one (the server's `request_timeout_s` caps it)."""
 
 
+SCORE_KEYS = ("samples", "responses", "sample_index", "context", "timeout_s")
+"""The keys of a `POST /score` body (mmrl's own format, so a misspelt one is refused; `/get_reward`
+and `/judge` take other trainers' payloads, whose versions add keys of their own, as they are)."""
+
+
+def unknown_keys(data: dict, known: Sequence[str], endpoint: str) -> None:
+    """A 400 naming the first key of `data` that is not in `known`, with the closest known key."""
+    import difflib
+
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise RequestError(
+                400, f"{key[:100]!r}: unknown key of a {endpoint} request (known: {', '.join(known)}){hint}"
+            )
+
+
 def parse_score_request(
     data: Any,
     known: frozenset[str],
@@ -517,8 +537,9 @@ def parse_score_request(
     check_images: bool = False,
     image_root: str | Path | None = None,
 ) -> ParsedBatch:
-    """The body of `POST /score`."""
+    """The body of `POST /score`; a key it does not know (`sampels`) is a 400 naming it."""
     data = _object(data, "body")
+    unknown_keys(data, SCORE_KEYS, "/score")
     samples = _array(data.get("samples"), "samples") if "samples" in data else None
     responses = _array(data.get("responses"), "responses") if "responses" in data else None
     if samples is None:
