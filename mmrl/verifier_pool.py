@@ -255,6 +255,20 @@ def _take_back(
     return requeue, culprit
 
 
+def _ended_how(blamed_reason: str | None, code: int | None, requeued: int) -> str:
+    """What a ready worker's end cost, for the log: the reason given to the sample it was
+    scoring (`blamed_reason`), or, when it was scoring none, that it died idle or before it
+    began the samples it held (queued again)."""
+    if blamed_reason is not None:
+        return blamed_reason + (f"; its {requeued} other queued samples were sent again" if requeued else "")
+    if requeued:
+        return (
+            f"the verifier worker process died between samples (exit code {code}); it was replaced and "
+            f"the {requeued} samples it held were sent again"
+        )
+    return f"the verifier worker process died while idle (exit code {code}); it was replaced"
+
+
 def _frame(payload: bytes) -> bytes:
     n = len(payload)
     if n > 0x7FFFFFFF:
@@ -623,11 +637,15 @@ class VerifierPool:
                 self.events.failed(job.items[item], "timeout" if worker.kill_reason else "crash")
         worker.chunks.clear()
         worker.n_items = 0
+        requeued = sum(end - start for _, start, end in requeue)
         self.queue.extendleft(reversed(requeue))
-        self.queued += sum(end - start for _, start, end in requeue)
+        self.queued += requeued
         self._schedule_pump()
         if worker.ready:
-            log.warning("verifier worker %d (pid %s) ended: %s", worker.slot, worker.proc.pid, reason)
+            log.warning(
+                "verifier worker %d (pid %s) ended: %s", worker.slot, worker.proc.pid,
+                _ended_how(reason if culprit is not None or worker.kill_reason else None, code, requeued),
+            )  # fmt: skip
             delay = 0.0
         else:
             self._startup_failures[worker.slot] += 1

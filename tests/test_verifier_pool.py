@@ -86,6 +86,34 @@ def test_a_worker_killed_with_sigkill_mid_batch_costs_only_its_response(workers,
         assert again.scores.tolist() == [1.0] * 3 and not again.errors
 
 
+def test_a_worker_that_dies_while_idle_is_not_logged_as_dying_mid_sample(caplog):
+    """Issue 48, item 19: a worker killed between batches was logged as having "died while
+    scoring this sample"; it was scoring none."""
+    import logging
+
+    samples = [_sample(i) for i in range(3)]
+    with Router(num_workers=1, time_limit_s=60.0, plugins=["fault_verifiers"]) as router:
+        router.warm_up()
+        assert (
+            _guarded(lambda: router.score(samples, ["fine"] * 3, VerifyContext())).scores.tolist()
+            == [1.0] * 3
+        )
+        (pid,) = router.pool.worker_pids()
+        with caplog.at_level(logging.WARNING, logger="mmrl.verifier_pool"):
+            os.kill(pid, signal.SIGKILL)
+            for _ in range(int(HANG_GUARD_S / 0.01)):  # until the pool has seen it go
+                if router.pool.restarts:
+                    break
+                time.sleep(0.01)
+        assert router.pool.restarts == 1
+        ended = [r.getMessage() for r in caplog.records if "ended" in r.getMessage()]
+        assert len(ended) == 1 and f"(pid {pid}) ended" in ended[0]
+        assert "died while idle (exit code -9); it was replaced" in ended[0]
+        assert "while scoring" not in ended[0]
+        again = _guarded(lambda: router.score(samples, ["fine"] * 3, VerifyContext()))
+        assert again.scores.tolist() == [1.0] * 3 and not again.errors
+
+
 def test_a_worker_loads_neither_torch_nor_transformers():
     """A verifier worker scores text and images with numpy, PIL and SymPy: importing torch
     there cost each worker (every start and every replacement) over a second of CPU and its
