@@ -135,9 +135,7 @@ def test_observation_tokens_get_no_value_advantage_or_value_loss_gradient(mmrl_c
     assert advantages.shape == batch.response_mask.shape
     assert bool((advantages[obs] == 0).all()) and bool((targets.returns[obs] == 0).all())
     assert bool((advantages[batch.response_mask.bool()] != 0).any())
-    _, _, vpreds = response_logprobs_and_values(
-        t.policy.model, batch, t.policy.blocked, 1.0, t.value_head
-    )
+    _, _, vpreds = response_logprobs_and_values(t.policy.model, batch, t.policy.blocked, 1.0, t.value_head)
     vpreds.retain_grad()
     loss, _ = value_loss(vpreds, targets.returns, targets.values, batch.response_mask, 0.5)
     loss.backward()
@@ -176,7 +174,8 @@ def test_the_value_loss_on_a_fixed_batch_decreases_over_updates(mmrl_cache):
     from mmrl.train.update import critic_targets, update_policy
 
     cfg = load_config(
-        "vision_reasoning", overrides=[*BASE, "algo.advantage=gae", "algo.cliprange_value=10", "algo.critic_lr=0.003"]
+        "vision_reasoning",
+        overrides=[*BASE, "algo.advantage=gae", "algo.cliprange_value=10", "algo.critic_lr=0.003"],
     )
     grpo.seed_everything(cfg.trainer.seed)
     t = grpo.make_trainee(cfg, _policy(), None)
@@ -185,19 +184,21 @@ def test_the_value_loss_on_a_fixed_batch_decreases_over_updates(mmrl_cache):
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
     batch = t.engine.generate(samples, params)
     old, _, values = t.old_ref_and_values(cfg, batch)
-    advantages, targets = critic_targets(cfg, batch, torch.tensor([1.0, 0.0, -1.0, 0.5]), values, t.value_head)
+    advantages, targets = critic_targets(
+        cfg, batch, torch.tensor([1.0, 0.0, -1.0, 0.5]), values, t.value_head
+    )
     losses = []
     for _ in range(8):
-        m = update_policy(
-            cfg, t.policy, t.optimizer, batch, advantages, old.clone(), None, critic=targets
-        )
+        m = update_policy(cfg, t.policy, t.optimizer, batch, advantages, old.clone(), None, critic=targets)
         losses.append(m["critic/value_loss"])
     assert losses[-1] < 0.75 * losses[0], losses
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
 
 
 def test_a_checkpoint_restores_the_value_head_and_resumes_exactly(mmrl_cache, tmp_path):
-    cfg = load_config("vision_reasoning", overrides=[*BASE, "algo.advantage=gae", f"trainer.run_dir={tmp_path}"])
+    cfg = load_config(
+        "vision_reasoning", overrides=[*BASE, "algo.advantage=gae", f"trainer.run_dir={tmp_path}"]
+    )
     samples = _samples(4)
     grpo.seed_everything(cfg.trainer.seed)
     t = grpo.make_trainee(cfg, _policy(), None)
@@ -255,3 +256,40 @@ def test_backends_that_cannot_carry_the_critic_are_refused():
         load_config(overrides=["algo.advantage=gae", "algo.cliprange_value=0"])
     with pytest.raises(ValueError, match=r"algo.high_level_gamma must be in \[0, 1\]"):
         load_config(overrides=["algo.high_level_gamma=1.5"])
+
+
+def test_the_value_head_computes_in_float32_a_chunk_at_a_time_under_bfloat16_autocast(monkeypatch):
+    """bfloat16 hidden states under autocast: the values and the head's gradients are those of
+    float64 arithmetic on the same (bfloat16) inputs to float32 rounding, the gradient to the
+    hidden states comes back in bfloat16, and chunking (several chunks here) changes nothing."""
+    from mmrl.train.forward import ValueHead, _Float32Dot
+
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(37, 16, generator=g) * 30).to(torch.bfloat16).requires_grad_()
+    head = ValueHead(16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(16, generator=g))
+        head.bias.fill_(0.25)
+    upstream = torch.randn(37, generator=g)
+    results = []
+    for chunk_bytes in (_Float32Dot.CHUNK_BYTES, 4 * 16 * 5):  # one chunk; chunks of 5 positions
+        monkeypatch.setattr(_Float32Dot, "CHUNK_BYTES", chunk_bytes)
+        head.zero_grad(set_to_none=True)
+        h.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            values = head(h)
+        assert values.dtype == torch.float32
+        (values * upstream).sum().backward()
+        assert h.grad.dtype == torch.bfloat16
+        results.append((values.detach(), head.weight.grad.clone(), head.bias.grad.clone(), h.grad.clone()))
+    h64, w64 = h.detach().double(), head.weight.detach().double()
+    expected = h64 @ w64 + 0.25
+    for values, w_grad, b_grad, h_grad in results:
+        torch.testing.assert_close(values.double(), expected, rtol=1e-6, atol=1e-4)
+        torch.testing.assert_close(w_grad.double(), upstream.double() @ h64, rtol=1e-5, atol=1e-3)
+        torch.testing.assert_close(b_grad.double(), upstream.double().sum(), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(
+            h_grad, (upstream.unsqueeze(1) * head.weight.detach()).to(torch.bfloat16), rtol=0, atol=0
+        )
+    for a, b in zip(results[0], results[1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-4)
