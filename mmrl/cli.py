@@ -362,10 +362,18 @@ def _train(args: argparse.Namespace) -> int:
     with imports_without_gc():  # torch, transformers and the trainer (mmrl.heap)
         from mmrl.compose import train
     from mmrl.datasets.schema import SampleError
+    from mmrl.train.rundir import take_run_dir_first
     from mmrl.train.storage import StorageError
 
+    run_dir = report.config.trainer.run_dir
     try:
-        with signals_received() as received:
+        # A named run directory is locked before the data and the model load, so a second
+        # trainer on it is refused at once (the trainer keeps this lock; a new timestamped
+        # folder needs none yet).
+        with (
+            take_run_dir_first(run_dir, "mmrl train") if run_dir else contextlib.nullcontext(),
+            signals_received() as received,
+        ):
             result = train(report.config)
     except (SampleError, ValueError, FileNotFoundError) as exc:
         print(f"mmrl train: error: {exc}", file=sys.stderr)

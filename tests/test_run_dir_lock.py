@@ -134,6 +134,60 @@ def test_a_resumed_run_takes_over_a_stale_lock_before_it_loads_the_model(tmp_pat
     assert not (run_dir / LOCK_NAME).exists()
 
 
+def test_a_second_trainer_is_refused_before_it_loads_its_data(tmp_path, monkeypatch, capsys):
+    """Issue 48, item 19: `mmrl train` takes the lock of a named run directory first; the
+    trainer took it only after loading (and validating) every record."""
+    from mmrl.cli import main
+
+    def loads_the_data(cfg):
+        raise AssertionError("the data was loaded before the run directory's lock was taken")
+
+    monkeypatch.setattr("mmrl.train.grpo.load_data_report", loads_the_data)
+    run_dir = tmp_path / "run"
+    with RunDirLock(run_dir, "mmrl train"):  # held by this process: a second writer all the same
+        before = (run_dir / LOCK_NAME).read_text()
+        assert main(["train", f"trainer.run_dir={run_dir}", "trainer.progress=false"]) == 2
+        assert (run_dir / LOCK_NAME).read_text() == before
+    err = capsys.readouterr().err
+    assert f"mmrl train: error: {run_dir} is in use by mmrl train (pid {os.getpid()}" in err
+
+
+def test_the_trainer_keeps_the_lock_the_command_line_took_and_it_is_released(tmp_path, monkeypatch):
+    from mmrl.cli import main
+
+    seen = []
+
+    def at_the_model(*args, **kwargs):
+        seen.append(LockHolder.read(run_dir / LOCK_NAME))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr("mmrl.train.grpo.builtin_base", at_the_model)
+    run_dir = tmp_path / "run"
+    args = [
+        "train",
+        f"trainer.run_dir={run_dir}",
+        "data.num_train=8",
+        "data.num_heldout=4",
+        "trainer.progress=false",
+    ]
+    assert main(args) == 1  # "stopped: stop here"
+    assert [h.pid for h in seen] == [os.getpid()]  # one lock, taken once: no refusal of its own
+    assert not (run_dir / LOCK_NAME).exists()
+
+
+def test_a_run_refused_after_taking_the_lock_leaves_no_empty_folder(tmp_path, monkeypatch, capsys):
+    from mmrl.cli import main
+
+    def bad_data(cfg):
+        raise ValueError("train.jsonl:3: field 'prompt': missing")
+
+    monkeypatch.setattr("mmrl.train.grpo.load_data_report", bad_data)
+    run_dir = tmp_path / "new" / "run"
+    assert main(["train", f"trainer.run_dir={run_dir}", "trainer.progress=false"]) == 2
+    assert "field 'prompt': missing" in capsys.readouterr().err
+    assert not run_dir.exists()  # created for the lock, removed with it
+
+
 def test_a_lock_of_another_host_is_never_taken_over(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -144,6 +144,12 @@ class RunDirLock:
         self.path = self.run_dir / LOCK_NAME
         self.command = command
         self.holder: LockHolder | None = None
+        self.created = False
+        """Whether `acquire` created the folder (`release` then removes it if nothing else was
+        written there: a run refused after the lock leaves no empty folder behind)."""
+        self.handed_over = False
+        """Taken by the command line for the trainer (`take_run_dir_first`): entering it again
+        keeps it instead of taking it a second time."""
 
     @contextlib.contextmanager
     def _guard(self):
@@ -165,6 +171,7 @@ class RunDirLock:
 
     def acquire(self) -> RunDirLock:
         with storage_errors("take the lock of", self.path):
+            self.created = not self.run_dir.exists()
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with self._guard():
                 if self.path.exists():
@@ -207,22 +214,53 @@ class RunDirLock:
         )
 
     def release(self) -> None:
-        """Remove the lock if it is still this process's."""
+        """Remove the lock if it is still this process's (and the folder, if `acquire` created
+        it and it is empty now)."""
+        if self.handed_over:
+            _handed_over.pop(_key(self.run_dir), None)
         if self.holder is None:
             return
         with contextlib.suppress(OSError), self._guard():
             with contextlib.suppress(OSError, ValueError, TypeError):
                 if LockHolder.read(self.path) == self.holder:
                     self.path.unlink()
+                    if self.created:
+                        with contextlib.suppress(OSError):  # not empty: the run wrote there
+                            self.run_dir.rmdir()
         self.holder = None
 
     def __enter__(self) -> RunDirLock:
+        if self.handed_over and self.holder is not None:
+            return self  # taken first by the command line, kept (`take_run_dir_first`)
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
 
 
+_handed_over: dict[Path, RunDirLock] = {}
+"""Locks that the command line took for a trainer of this process, by resolved folder."""
+
+
+def _key(run_dir: Path | str) -> Path:
+    return Path(run_dir).resolve()
+
+
 def hold_run_dir(run_dir: Path | str, command: str) -> RunDirLock:
-    """`with hold_run_dir(path, "mmrl train"):` the run directory's lock for the block."""
+    """`with hold_run_dir(path, "mmrl train"):` the run directory's lock for the block: the one
+    `take_run_dir_first` took for this folder and command, if it did, else a new one."""
+    lock = _handed_over.get(_key(run_dir))
+    if lock is not None and lock.command == command and lock.holder is not None:
+        return lock
     return RunDirLock(run_dir, command)
+
+
+def take_run_dir_first(run_dir: Path | str, command: str) -> RunDirLock:
+    """The run directory's lock, taken now, before the trainer loads its data or model (a second
+    trainer is refused at once, not after minutes of loading), and handed to the trainer: its
+    `hold_run_dir` of the same folder and command, in this process, keeps this lock. Use it in
+    a `with` block around the training call; the lock is released when either block ends."""
+    lock = RunDirLock(run_dir, command).acquire()
+    lock.handed_over = True
+    _handed_over[_key(run_dir)] = lock
+    return lock
