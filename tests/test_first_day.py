@@ -28,21 +28,24 @@ def test_overrides_mix_with_options_in_any_order(argv, tmp_path, capsys):
     assert "for 3 steps of 4 prompts" in out  # both overrides applied, wherever they stood
 
 
-def test_overrides_after_options_keep_their_order_and_reach_the_config(monkeypatch, tmp_path):
+@pytest.mark.parametrize("command", ["check", "train"])  # every subcommand that takes overrides
+def test_overrides_after_options_keep_their_order_and_reach_the_config(command, monkeypatch):
     seen = {}
 
     def fake_check(task, config, overrides, **kwargs):
         seen.update(task=task, overrides=overrides)
 
         class Report:
+            problems = ["stop here"]  # `train` stops after its check
+
             def print(self, command):
-                return 0
+                return 2
 
         return Report()
 
     monkeypatch.setattr("mmrl.check.check_train", fake_check)
-    argv = ["check", "a.b=1", "--task", "perception", "--dump-steps", "a.b=2", "--resume", "auto", "c=3"]
-    assert main(argv) == 0
+    argv = [command, "a.b=1", "--task", "perception", "--dump-steps", "a.b=2", "--resume", "auto", "c=3"]
+    assert main(argv) == 2
     assert seen["task"] == "perception"
     assert seen["overrides"] == ["a.b=1", "a.b=2", "c=3", "trainer.resume=auto", "trainer.dump_steps=true"]
 
