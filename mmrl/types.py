@@ -177,9 +177,54 @@ MAX_IMAGE_PIXELS = 64_000_000
 far beyond what a VLM processor keeps (Qwen2-VL caps at ~1 megapixel by default)."""
 
 
+ALLOWED_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
+"""The only formats `load_image` opens (Pillow's format names). Pillow knows some forty, and
+some hand the bytes to other programs or to little-used parsers (EPS runs Ghostscript): image
+data may come from anyone (a dataset, a reward-server client), so the rest are refused."""
+
+_FORMAT_NAMES = {"WEBP": "WebP"}
+
+
+def image_format_name(fmt: str) -> str:
+    """How a Pillow format name is written in messages (`WEBP` -> `WebP`)."""
+    return _FORMAT_NAMES.get(fmt, fmt)
+
+
+def sniff_image_format(head: bytes) -> str | None:
+    """The Pillow format whose signature `head` (a file's first bytes) matches, or None. Only
+    the plugins' signature checks run: nothing is decoded, no program is started."""
+    Image.init()
+    for fmt in Image.ID:
+        accept = Image.OPEN[fmt][1]
+        if accept is None:
+            continue
+        try:
+            if accept(head):
+                return fmt
+        except Exception:  # noqa: BLE001 - a signature check that cannot read this prefix
+            continue
+    return None
+
+
+def _refused_format(src: bytes | bytearray | str | Path) -> str | None:
+    """The disallowed format `src` is in (for the error message), or None if it is none known."""
+    try:
+        if isinstance(src, (bytes, bytearray)):
+            head = bytes(src[:64])
+        else:
+            with open(src, "rb") as f:
+                head = f.read(64)
+    except OSError:
+        return None
+    fmt = sniff_image_format(head)
+    return fmt if fmt is not None and fmt not in ALLOWED_IMAGE_FORMATS else None
+
+
 def load_image(src: ImageSource) -> Image.Image:
     """Decode an image source to an RGB PIL image (any mode converted: palette, alpha, 16-bit,
-    CMYK, ...). Raises `ImageError` naming the problem for unreadable, truncated or huge images."""
+    CMYK, ...). Raises `ImageError` naming the problem for unreadable, truncated or huge images,
+    and for formats other than `ALLOWED_IMAGE_FORMATS` (naming the format: "EPS images are not
+    accepted")."""
     what = (
         "image"
         if isinstance(src, Image.Image)
@@ -189,9 +234,9 @@ def load_image(src: ImageSource) -> Image.Image:
         if isinstance(src, Image.Image):
             image = src
         elif isinstance(src, (bytes, bytearray)):
-            image = Image.open(io.BytesIO(src))
+            image = Image.open(io.BytesIO(src), formats=ALLOWED_IMAGE_FORMATS)
         elif isinstance(src, (str, Path)):
-            image = Image.open(src)
+            image = Image.open(src, formats=ALLOWED_IMAGE_FORMATS)
         else:
             raise TypeError(f"unsupported image source of type {type(src).__name__}")
         width, height = image.size
@@ -208,6 +253,14 @@ def load_image(src: ImageSource) -> Image.Image:
         raise ImageError(f"{what}: refused as a decompression bomb ({exc})") from None
     except FileNotFoundError:
         raise ImageError(f"{what}: image file not found") from None
+    except Image.UnidentifiedImageError as exc:
+        refused = None if isinstance(src, Image.Image) else _refused_format(src)
+        if refused is not None:
+            allowed = ", ".join(image_format_name(f) for f in ALLOWED_IMAGE_FORMATS)
+            raise ImageError(
+                f"{what}: {image_format_name(refused)} images are not accepted (allowed formats: {allowed})"
+            ) from None
+        raise ImageError(f"{what}: unreadable or truncated image ({exc})") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ImageError(f"{what}: unreadable or truncated image ({exc})") from None
     if image.mode != "RGB":
