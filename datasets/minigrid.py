@@ -1,13 +1,13 @@
 """`minigrid`: act in a MiniGrid room from pixels (`mmrl train --task minigrid`).
 
 Each sample is an episode of the `minigrid-goal` environment (`mmrl.environments.grid_goal`): a
-walled 6x6 room (4x4 cells inside) with the goal and the agent placed by the episode's seed. The
+walled 5x5 room (3x3 cells inside) with the goal and the agent placed by the episode's seed. The
 prompt says what to do; the environment's reset adds the room's picture, each turn's action
 word (`left`, `right`, `forward`) steps it, and each new picture is the next user turn. The
 reward is MiniGrid's (1 - 0.9 x steps / max_steps on reaching the goal), through the `env`
 verifier.
 
-Held out by layout, not only by seed: a layout is (agent cell, direction, goal cell), 960 of
+Held out by layout, not only by seed: a layout is (agent cell, direction, goal cell), 288 of
 them; each belongs to one split by a hash (20% held out, 10% validation, 70% train), and a
 split's samples are drawn only from its own layouts, so no held-out room is ever trained on or
 warmed up on. The supervised cold start's demonstration is the shortest action sequence
@@ -24,16 +24,16 @@ import numpy as np
 
 from mmrl.datasets.kinds import Drawn, register_kind
 
-SIZE = 6
-"""The room's side in cells, walls included."""
+SIZE = 5
+"""The room's side in cells, walls included (3x3 cells inside)."""
 QUESTION = (
-    "You are the red triangle in a room seen from above; it points the way you face. Reach the green "
-    "square. Each turn, reply with one action: left or right (turn) or forward (one step)."
+    "You are the red triangle in a room, seen from above and turned so that you face up. Reach the "
+    "green square. Each turn, reply with one action: left or right (turn) or forward (one step)."
 )
 SPLIT_SHARES = (("heldout", 2), ("validation", 1), ("train", 7))
 """Tenths of the layouts per split (by `layout_split`)."""
-MAX_TURNS = 10
-"""The turn limit of an episode (the longest shortest path in the 4x4 interior is 8 actions)."""
+MAX_TURNS = 8
+"""The turn limit of an episode (the longest shortest path in the 3x3 interior is 6 actions)."""
 
 
 def layout_split(layout: tuple[int, ...]) -> str:
@@ -65,7 +65,7 @@ def episode(seed: int, tile_size: int) -> tuple[tuple[int, ...], list[str]]:
 
 @register_kind("minigrid", "minigrid", stream=21, takes_split=True)
 def _minigrid(rng: np.random.Generator, size: int, split: str) -> Drawn:
-    tile = max(4, size // SIZE)
+    tile = 16  # one cell per merged patch of the tiny Qwen2-VL (patch 8, merge 2): 80x80 pixels
     for _ in range(1000):
         seed = int(rng.integers(0, 2**31 - 1))
         room, actions = episode(seed, tile)
@@ -86,7 +86,7 @@ def _minigrid(rng: np.random.Generator, size: int, split: str) -> Drawn:
     )
 
 
-def random_policy_success(seeds: list[int], tile_size: int = 10, rng_seed: int = 0) -> tuple[int, int]:
+def random_policy_success(seeds: list[int], tile_size: int = 16, rng_seed: int = 0) -> tuple[int, int]:
     """The uniform random policy over `left`, `right`, `forward` on these episodes, each up to
     `MAX_TURNS` actions (a model's turn limit): (successes, episodes). The baseline RL is
     measured against on the same held-out seeds."""

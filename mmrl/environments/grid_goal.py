@@ -6,8 +6,9 @@ reset's seed, so that a layout is a seed's (agent cell, direction, goal cell), a
 layouts can be kept out of training (`datasets/minigrid.py`). MiniGrid's reward: 1 - 0.9 x
 steps / max_steps on reaching the goal, else 0.
 
-The model acts with the words `left`, `right`, `forward` and sees the room from above, rendered
-at `tile_size` pixels a cell: the reset's picture follows the prompt's instructions, and each
+The model acts with the words `left`, `right`, `forward` and sees the whole room turned so that
+it faces up (`view="ego"`; "full" and MiniGrid's 7x7 "agent" view are options), rendered at
+`tile_size` pixels a cell: the reset's picture follows the prompt's instructions, and each
 step's picture alone is the next user turn (no repeated text: with byte-level tiny tokenizers a
 sentence per turn would be most of the sequence).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from mmrl.environments.envs import register_env
@@ -58,20 +60,36 @@ def _register_gym() -> None:
     gymnasium.register(id=GYM_ID, entry_point=RandomGoalEnv)
 
 
-def make_goal_env(size: int = 6, tile_size: int = 10, max_steps: int | None = None) -> Any:
-    """The goal room, acted on with `GOAL_ACTIONS`, rendered from above at `tile_size` pixels a
-    cell without the agent-view shading."""
+def make_goal_env(size: int = 6, tile_size: int = 11, view: str = "ego", max_steps: int | None = None) -> Any:
+    """The goal room, acted on with `GOAL_ACTIONS`, rendered at `tile_size` pixels a cell
+    without the agent-view shading: the whole room turned so that the agent faces up
+    (`view="ego"`: "forward" is always up the picture, the goal's place relative to the agent
+    is all there is to read), from above as MiniGrid draws it (`"full"`), or MiniGrid's own
+    7x7 agent view (`"agent"`: the cells behind the agent are not seen)."""
+    if view not in ("ego", "full", "agent"):
+        raise ValueError(f"view must be 'ego', 'full' or 'agent', got {view!r}")
     _register_gym()
     extra = {} if max_steps is None else {"max_steps": max_steps}
-    return make_minigrid(
-        GYM_ID, tile_size=tile_size, view="full", highlight=False, actions=GOAL_ACTIONS, size=size, **extra
+    env = make_minigrid(
+        GYM_ID,
+        tile_size=tile_size,
+        view="agent" if view == "agent" else "full",
+        highlight=False,
+        actions=GOAL_ACTIONS,
+        size=size,
+        **extra,
     )
+    env.unwrapped.mmrl_view = view
+    return env
 
 
 def goal_observation(env: Any, obs: Any, info: dict[str, Any]) -> Observation:
-    """The room as a picture, no text."""
+    """The room as a picture (turned for the `ego` view: MiniGrid's directions 0-3 are right,
+    down, left, up, so (direction + 1) quarter turns counter-clockwise bring it up), no text."""
     base = env.unwrapped
     frame = base.get_frame(base.highlight, base.tile_size, base.agent_pov)
+    if getattr(base, "mmrl_view", "full") == "ego":
+        frame = np.ascontiguousarray(np.rot90(frame, k=(int(base.agent_dir) + 1) % 4))
     return Observation(text="", images=[Image.fromarray(frame).convert("RGB")])
 
 
