@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 if TYPE_CHECKING:  # annotations only: `import mmrl.types` stays free of torch (config errors are instant)
+    from collections.abc import Callable
+
     import torch
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -220,11 +222,15 @@ def _refused_format(src: bytes | bytearray | str | Path) -> str | None:
     return fmt if fmt is not None and fmt not in ALLOWED_IMAGE_FORMATS else None
 
 
-def load_image(src: ImageSource) -> Image.Image:
+def load_image(src: ImageSource, *, before_decode: Callable[[int, int], None] | None = None) -> Image.Image:
     """Decode an image source to an RGB PIL image (any mode converted: palette, alpha, 16-bit,
     CMYK, ...). Raises `ImageError` naming the problem for unreadable, truncated or huge images,
     and for formats other than `ALLOWED_IMAGE_FORMATS` (naming the format: "EPS images are not
-    accepted")."""
+    accepted").
+
+    `before_decode(width, height)` is called with the size read from the header, before the
+    pixels are decoded; what it raises propagates (the reward server's per-request pixel
+    budget)."""
     what = (
         "image"
         if isinstance(src, Image.Image)
@@ -246,6 +252,13 @@ def load_image(src: ImageSource) -> Image.Image:
             )
         if width == 0 or height == 0:
             raise ImageError(f"{what}: empty image ({width}x{height})")
+        if before_decode is not None:
+            try:
+                before_decode(width, height)
+            except BaseException:
+                if image is not src:
+                    image.close()
+                raise
         image.load()  # decode now: a truncated file fails here, not inside the processor
     except ImageError:
         raise

@@ -75,3 +75,118 @@ def test_the_server_refuses_an_eps_image_with_a_422_naming_the_format(tmp_path):
     (tmp_path / "a.eps").write_bytes(EPS)
     with pytest.raises(RequestError, match="a.eps: EPS images are not accepted"):
         check_image("a.eps", "samples[0].images[0]", decode=True, image_root=tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 13: images are decoded off the event loop, within a per-request pixel budget
+
+
+async def _asgi(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict]:
+    """One request through the ASGI app in this process: (status, JSON answer)."""
+    import json
+
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "query_string": b"",
+        "headers": [(b"content-length", str(len(body)).encode())],
+        "client": ("127.0.0.1", 40000),
+    }
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], json.loads(sent[1]["body"])
+
+
+def _image_request(n_images: int = 1, size: tuple[int, int] = (8, 8)) -> bytes:
+    import json
+
+    image = base64.b64encode(_encoded("PNG", size)).decode()
+    sample = {"images": [image] * n_images, "reward_model": {"verifier": "math", "ground_truth": "3"}}
+    return json.dumps({"samples": [sample], "responses": ["\\boxed{3}"]}).encode()
+
+
+def test_health_answers_while_a_request_s_images_are_being_decoded(monkeypatch):
+    import asyncio
+    import threading
+
+    import mmrl.types
+    from mmrl.server.app import create_app
+    from mmrl.server.config import ServeConfig
+
+    real_load_image = mmrl.types.load_image
+    decoding = threading.Event()
+    release = threading.Event()
+    state = {"finished": False, "on_loop_thread": None}
+
+    def slow_load_image(src, **kwargs):
+        state["on_loop_thread"] = threading.current_thread() is threading.main_thread()
+        decoding.set()
+        release.wait(30)  # the test releases it once /health has answered
+        image = real_load_image(src, **kwargs)
+        state["finished"] = True
+        return image
+
+    monkeypatch.setattr(mmrl.types, "load_image", slow_load_image)
+    app = create_app(ServeConfig(workers=1, check_images=True))
+    pool = app.endpoints.pool
+
+    async def main() -> None:
+        await pool.start()
+        try:
+            await pool.wait_ready()
+            score = asyncio.ensure_future(_asgi(app, "POST", "/score", _image_request()))
+            assert await asyncio.get_running_loop().run_in_executor(None, decoding.wait, 30)
+            status, answer = await asyncio.wait_for(_asgi(app, "GET", "/health"), 30)
+            assert (status, answer) == (200, {"status": "ok"})
+            assert not state["finished"]  # /health answered while the decode was still held
+            release.set()
+            status, answer = await score
+            assert status == 200 and answer["results"][0]["score"] == 1.0
+        finally:
+            release.set()
+            await pool.close()
+            app.endpoints.decoder.shutdown()
+
+    asyncio.run(main())
+    assert state["on_loop_thread"] is False
+
+
+def test_a_request_s_images_past_the_pixel_budget_are_a_413_before_decoding(monkeypatch):
+    from mmrl.server.protocol import parse_json, parse_score_request
+    from mmrl.verifiers import verifier_names
+
+    known = frozenset(verifier_names())
+    body = parse_json(_image_request(n_images=5, size=(100, 100)))  # 50,000 pixels in all
+    assert len(parse_score_request(body, known, 8, True, None, 50_000).items) == 1
+    from PIL import ImageFile
+
+    decoded = []
+    real_load = ImageFile.ImageFile.load
+    monkeypatch.setattr(
+        ImageFile.ImageFile, "load", lambda self: decoded.append(self.size) or real_load(self)
+    )
+    with pytest.raises(RequestError) as info:
+        parse_score_request(body, known, 8, True, None, 49_999)
+    assert info.value.status == 413
+    assert info.value.message.startswith("samples[0].images[4]: the request's images hold more than 49,999")
+    assert "max_request_pixels" in info.value.message
+    assert len(decoded) == 4  # the fifth image was refused from its header, never decoded
+    # Without check_images nothing is decoded, so nothing is counted.
+    assert len(parse_score_request(body, known, 8, False, None, 1).items) == 1
+
+
+def test_the_server_s_pixel_budget_and_decode_threads_are_validated():
+    from mmrl.server.config import ServeConfig
+
+    assert ServeConfig().max_request_pixels == 256_000_000
+    for name in ("max_request_pixels", "image_decode_threads"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+            ServeConfig(**{name: 0}).validate()

@@ -25,6 +25,8 @@ is spawned, and the server keeps serving.
 The endpoints are served by a pure-ASGI app in front of the FastAPI app, outside its middleware
 stack (raw `receive`/`send`: for a verifier that takes 0.04 ms, FastAPI's per-request machinery
 would cost more than the scoring), with hand-written validation that names the offending field.
+With `check_images`, a request's images are decoded in a thread pool (`image_decode_threads`),
+never on the event loop, within a per-request pixel budget (`max_request_pixels`).
 Accepted sockets get TCP_NODELAY, so a keep-alive response is never held back by Nagle's
 algorithm waiting for the client's delayed ACK (~40 ms), and a response's head and body leave in
 one write.
@@ -43,7 +45,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -104,6 +108,7 @@ def create_app(cfg: ServeConfig | None = None) -> RewardEndpoints:
             yield
         finally:
             await pool.close("the server is shutting down")
+            endpoints.decoder.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
         title="mmrl reward server",
@@ -120,7 +125,8 @@ def create_app(cfg: ServeConfig | None = None) -> RewardEndpoints:
     app.state.metrics = metrics
     app.state.config = cfg
     app.state.guard = guard
-    return RewardEndpoints(app, _Endpoints(cfg, pool, metrics, known, guard))
+    endpoints = _Endpoints(cfg, pool, metrics, known, guard)
+    return RewardEndpoints(app, endpoints)
 
 
 class _Endpoints:
@@ -140,6 +146,10 @@ class _Endpoints:
         self.metrics = metrics
         self.known = known
         self.guard = guard
+        self.decoder = concurrent.futures.ThreadPoolExecutor(
+            max_workers=cfg.image_decode_threads, thread_name_prefix="mmrl-image-decode"
+        )
+        """Decodes `check_images` requests' images, off the event loop."""
         # path -> (method, handler, needs the token)
         self.routes: dict[str, tuple[bytes, Callable[[bytes], Awaitable[Any]], bool]] = {
             "/score": (b"POST", self.score, True),
@@ -184,9 +194,20 @@ class _Endpoints:
     async def score(self, body: bytes) -> tuple[int, Any]:
         data = protocol.parse_json(body)
         cfg = self.cfg
-        batch = protocol.parse_score_request(
-            data, self.known, cfg.max_batch, cfg.check_images, cfg.image_root
+        parse = functools.partial(
+            protocol.parse_score_request,
+            data,
+            self.known,
+            cfg.max_batch,
+            cfg.check_images,
+            cfg.image_root,
+            cfg.max_request_pixels,
         )
+        if cfg.check_images and protocol.has_images(data):
+            # Decoding images takes up to seconds: in a thread, so the event loop keeps serving.
+            batch = await asyncio.get_running_loop().run_in_executor(self.decoder, parse)
+        else:
+            batch = parse()
         return 200, JSONBody(protocol.score_response_json(batch.ids, await self._scored(batch)))
 
     async def get_reward(self, body: bytes) -> tuple[int, Any]:

@@ -104,6 +104,13 @@ class ServeConfig:
     """Decode the images of `/score` samples and reject unreadable ones, and ones over
     `mmrl.types.MAX_IMAGE_PIXELS` (64 megapixels, data loading's limit), with 422 (rule-based
     verifiers never look at pixels, so by default images are only type-checked, never opened)."""
+    max_request_pixels: int = 256_000_000
+    """With `check_images`: the most pixels the images of one `/score` request may hold in all
+    (each counted from its header, before it is decoded); beyond, 413. Bounds the decoding time
+    and memory one request can cost (one image may hold up to 64 megapixels)."""
+    image_decode_threads: int = 2
+    """With `check_images`: threads that decode requests' images, off the event loop (which
+    keeps serving other requests, `/health` included, meanwhile); requests past it wait."""
     image_root: str | None = None
     """With `check_images`: the folder image paths are read from, relative to it. A path that is
     absolute, holds `..` or leads out of it through a link is refused with one message, the same
@@ -151,6 +158,8 @@ class ServeConfig:
             "max_chunk",
             "max_connections",
             "max_connections_per_client",
+            "max_request_pixels",
+            "image_decode_threads",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -375,15 +375,35 @@ def parse_context(value: Any, where: str = "context") -> VerifyContext:
 # Native /score
 
 
+class PixelBudget:
+    """The pixels one request's images may hold in all (`ServeConfig.max_request_pixels`),
+    charged from each image's header before it is decoded."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+
+    def charge(self, width: int, height: int, where: str) -> None:
+        """Count an image of `width` x `height`; a 413 naming `where` once the total passes the limit."""
+        self.used += width * height
+        if self.used > self.limit:
+            raise RequestError(
+                413,
+                f"{where}: the request's images hold more than {self.limit:,} pixels in all (this "
+                f"server's max_request_pixels); send fewer or smaller images per request",
+            )
+
+
 def parse_record(
     record: Any,
     where: str,
     known: frozenset[str],
     check_images: bool = False,
     image_root: str | Path | None = None,
+    budget: PixelBudget | None = None,
 ) -> tuple[str, Any, dict, float, float, str, str, Any]:
     """One sample record -> (verifier, ground_truth, params, accuracy_ratio, format_ratio,
-    data_source, sample_id, prompt). Raises 422 naming `where.<field>`."""
+    data_source, sample_id, prompt). Raises 422 naming `where.<field>` (413 past `budget`)."""
     record = _object(record, where)
     if record.get("reward_model") is None:
         raise bad(f"{where}.reward_model", "missing")
@@ -412,7 +432,7 @@ def parse_record(
     images = record.get("images")
     if images is not None:
         for i, image in enumerate(_array(images, f"{where}.images")):
-            check_image(image, f"{where}.images[{i}]", decode=check_images, image_root=image_root)
+            check_image(image, f"{where}.images[{i}]", check_images, image_root, budget)
     return verifier, gt, params, accuracy, fmt, data_source, sample_id, prompt
 
 
@@ -441,11 +461,19 @@ def resolve_image_path(text: str, root: str | Path | None) -> Path | None:
     return full if full.is_relative_to(base) else None
 
 
-def check_image(item: Any, where: str, decode: bool, image_root: str | Path | None = None) -> None:
+def check_image(
+    item: Any,
+    where: str,
+    decode: bool,
+    image_root: str | Path | None = None,
+    budget: PixelBudget | None = None,
+) -> None:
     """Type-check one image source; with `decode`, prove it is a readable image of at most
     `mmrl.types.MAX_IMAGE_PIXELS` (the limit data loading applies; checked from the header,
+    before decoding) in one of `mmrl.types.ALLOWED_IMAGE_FORMATS`, charged to `budget` (also
     before decoding). Paths are read only under `image_root` (`resolve_image_path`); a refused
-    path gets `IMAGE_PATH_REFUSED` whether or not a file is there."""
+    path gets `IMAGE_PATH_REFUSED` whether or not a file is there. Decoding takes time: the
+    server calls this off its event loop."""
     path_only = False
     if isinstance(item, dict):
         if item.get("bytes"):
@@ -484,7 +512,8 @@ def check_image(item: Any, where: str, decode: bool, image_root: str | Path | No
             source = data
     what = f"{len(source)} bytes" if isinstance(source, bytes) else item[:200]
     try:
-        load_image(source).close()
+        charge = None if budget is None else (lambda width, height: budget.charge(width, height, where))
+        load_image(source, before_decode=charge).close()
     except ImageError as exc:
         problem = str(exc)
         if isinstance(source, Path):  # name the path as the client gave it, not where it resolved
@@ -536,8 +565,11 @@ def parse_score_request(
     max_batch: int,
     check_images: bool = False,
     image_root: str | Path | None = None,
+    max_pixels: int | None = None,
 ) -> ParsedBatch:
-    """The body of `POST /score`; a key it does not know (`sampels`) is a 400 naming it."""
+    """The body of `POST /score`; a key it does not know (`sampels`) is a 400 naming it. With
+    `check_images` its images are decoded (slow: the server runs this off its event loop), at
+    most `max_pixels` pixels in all (413 beyond)."""
     data = _object(data, "body")
     unknown_keys(data, SCORE_KEYS, "/score")
     samples = _array(data.get("samples"), "samples") if "samples" in data else None
@@ -576,6 +608,7 @@ def parse_score_request(
         except OverflowError:  # an integer beyond the float range: no limit beyond the server's
             timeout_s = math.inf
     parsed: dict[int, tuple] = {}
+    budget = PixelBudget(max_pixels) if check_images and max_pixels is not None else None
     tail = (context.step, context.total_steps, True)
     items, ids, wheres = [], [], []
     for i, (j, response) in enumerate(zip(index, responses)):
@@ -584,13 +617,20 @@ def parse_score_request(
         known_sample = parsed.get(j)
         if known_sample is None:
             where = f"samples[{j}]"
-            fields = parse_record(samples[j], where, known, check_images, image_root)
+            fields = parse_record(samples[j], where, known, check_images, image_root, budget)
             known_sample = parsed[j] = (fields, fields[6], where)
         fields, sample_id, where = known_sample
         items.append((fields, response, *tail))
         ids.append(sample_id)
         wheres.append(where)
     return ParsedBatch(items, ids, wheres, timeout_s)
+
+
+def has_images(data: Any) -> bool:
+    """Whether a `/score` body (parsed JSON) has a sample with images (which `check_images`
+    decodes); a malformed body is False (parsing it then says what is wrong)."""
+    samples = data.get("samples") if isinstance(data, dict) else None
+    return isinstance(samples, list) and any(isinstance(s, dict) and s.get("images") for s in samples)
 
 
 def result_json(sample_id: str, result: tuple) -> dict[str, Any]:
