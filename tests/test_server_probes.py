@@ -7,6 +7,7 @@ workers that still run its samples (item 11)."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 
 import pytest
@@ -190,3 +191,87 @@ def test_the_server_s_pixel_budget_and_decode_threads_are_validated():
     for name in ("max_request_pixels", "image_decode_threads"):
         with pytest.raises(ValueError, match=f"{name} must be >= 1"):
             ServeConfig(**{name: 0}).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 12: a request body that never comes (or trickles in) is cut off after body_timeout_s
+
+WAIT_S = 60.0
+"""Upper bound for waiting on the server (a hang guard that marks failure, not a speed limit)."""
+
+
+def _read_until_closed(sock) -> bytes:
+    sock.settimeout(WAIT_S)
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_connections_that_send_headers_and_no_body_are_closed_and_free_their_place():
+    import socket
+    import threading
+
+    import httpx
+
+    from mmrl.server.config import ServeConfig
+    from mmrl.server.process import start_server_process
+
+    cfg = ServeConfig(
+        port=0,
+        workers=1,
+        max_connections=4,
+        max_connections_per_client=4,
+        head_timeout_s=30.0,  # the heads arrive at once: the body limit, not the head limit, closes them
+        keep_alive_s=60.0,
+        body_timeout_s=1.0,
+    )
+    head = (
+        b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with start_server_process(cfg) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        sockets = []
+        for _ in range(cfg.max_connections):  # every place the server has
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(head)
+            sockets.append(sock)
+        stop = threading.Event()
+
+        def trickle(sock) -> None:  # the last one sends a byte every 0.1 s: no more time for that
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.1):
+                    sock.sendall(b" ")
+
+        thread = threading.Thread(target=trickle, args=(sockets[-1],), daemon=True)
+        thread.start()
+        try:
+            answers = [_read_until_closed(sock) for sock in sockets]
+        finally:
+            stop.set()
+            thread.join()
+            for sock in sockets:
+                sock.close()
+        for answer in answers:
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+            assert b"body_timeout_s" in answer
+            assert b"connection: close" in answer.lower()
+        # Their places are free again: another client is served.
+        body = {
+            "samples": [{"reward_model": {"verifier": "math", "ground_truth": "3"}}],
+            "responses": ["\\boxed{3}"],
+        }
+        with httpx.Client(base_url=server.url, timeout=WAIT_S) as client:
+            answer = client.post("/score", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["results"][0]["score"] == 1.0
+
+
+def test_body_timeout_must_be_positive():
+    from mmrl.server.config import ServeConfig
+
+    assert ServeConfig().body_timeout_s == 30.0
+    with pytest.raises(ValueError, match="body_timeout_s must be > 0"):
+        ServeConfig(body_timeout_s=0).validate()

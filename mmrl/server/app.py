@@ -304,7 +304,8 @@ class RewardEndpoints:
         self.auth = Authenticator(self.cfg.token, self.cfg.query_token, self.cfg.allow_networks)
         self.guard = endpoints.guard
         self.refused: collections.Counter[int] = collections.Counter()
-        """Requests refused for configuration reasons (401, 403, 413), by status."""
+        """Requests refused for configuration reasons (401, 403, 413) or a body that did not
+        arrive in time (408), by status."""
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         route = self.endpoints.routes.get(scope.get("path")) if scope["type"] == "http" else None
@@ -319,16 +320,18 @@ class RewardEndpoints:
             if needs_token:
                 self.auth.check(scope, headers.get(b"authorization"))
             body = (
-                await self._read_body(headers.get(b"content-length"), receive) if route[0] == b"POST" else b""
+                await self._read_body_in_time(headers.get(b"content-length"), receive)
+                if route[0] == b"POST"
+                else b""
             )
             status, payload = await handler(body)
         except RequestError as exc:
             status, payload = exc.status, {"detail": exc.message}
             if exc.status == 401:
                 extra = [(b"www-authenticate", b"Bearer")]
-            elif exc.status == 413:
+            elif exc.status in (408, 413):
                 extra = [(b"connection", b"close")]
-            if exc.status in (401, 403, 413):
+            if exc.status in (401, 403, 408, 413):
                 # Clients such as V-Triune's cannot survive these: say why on the server's side
                 # too (the first of each kind, then every 1000th, so a flood cannot fill the log).
                 self.refused[exc.status] += 1
@@ -364,6 +367,34 @@ class RewardEndpoints:
         )
         await send({"type": "http.response.body", "body": body})
         self.endpoints.metrics.request_done(scope["path"], status, time.perf_counter() - start)
+
+    async def _read_body_in_time(self, length: bytes | None, receive: Callable) -> bytes:
+        """`_read_body` within `body_timeout_s` of the head, all of it (a body that trickles in
+        gets no more time than one that never comes); past it, a 408 (sent with `Connection:
+        close`, so the connection is closed and its place freed)."""
+        task = asyncio.current_task()
+        timed_out = False
+
+        def expire() -> None:
+            nonlocal timed_out
+            timed_out = True
+            task.cancel()
+
+        timer = asyncio.get_running_loop().call_later(self.cfg.body_timeout_s, expire)
+        try:
+            return await self._read_body(length, receive)
+        except asyncio.CancelledError:
+            if not timed_out:
+                raise
+            if hasattr(task, "uncancel"):  # Python 3.11+
+                task.uncancel()
+            raise RequestError(
+                408,
+                f"the request body did not arrive within {self.cfg.body_timeout_s:g}s of its head "
+                "(this server's body_timeout_s); the connection is closed",
+            ) from None
+        finally:
+            timer.cancel()
 
     async def _read_body(self, length: bytes | None, receive: Callable) -> bytes:
         limit = self.cfg.max_body_bytes

@@ -76,6 +76,11 @@ class ServeConfig:
     """A connection must deliver a request's head (request line and headers) within this many
     seconds of opening, or of its first byte after a response; else it is closed. Idle
     connections that never send a byte are closed after it too."""
+    body_timeout_s: float = 30.0
+    """A request's whole body must arrive within this many seconds of its head (a body that
+    trickles in gets no more); else the request gets 408 and the connection is closed, so
+    connections that send headers and then nothing free their place. Raise it for large bodies
+    over slow links (`max_body_bytes` at 10 Mbit/s takes about a minute)."""
     keep_alive_s: float = 30.0
     """Idle keep-alive connections are closed after this many seconds."""
     default_verifier: str = "math"
@@ -146,7 +151,7 @@ class ServeConfig:
             raise ValueError(f"workers must be >= 0 (0: one per core), got {self.workers}")
         if self.label_mode not in LABEL_MODES:
             raise ValueError(f"label_mode must be one of {list(LABEL_MODES)}, got {self.label_mode!r}")
-        for name in ("time_limit_s", "request_timeout_s", "head_timeout_s", "keep_alive_s"):
+        for name in ("time_limit_s", "request_timeout_s", "head_timeout_s", "body_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kill_grace_s < 0:

@@ -14,6 +14,9 @@ long as they are held. `ConnectionGuard` instead
   idle time in between is uvicorn's keep-alive limit). A connection past it is closed, admitted
   or not, so idle and trickling connections (slowloris) free their place.
 
+Once the head is in, the body has `body_timeout_s` in all (`RewardEndpoints._read_body_in_time`
+in `app.py`): past it, 408 and the connection is closed.
+
 The guard sits in the HTTP protocol object uvicorn creates per connection (`guarded_protocol`):
 it reads the protocol's `cycle` (the request being served; uvicorn's httptools and h11
 protocols both keep one) to tell "waiting for a head" from "serving a request".
