@@ -21,6 +21,7 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,6 @@ class Report:
 
     def print(self, command: str) -> int:
         """One line per problem (stderr) and 2, or `ready` and the summary (stdout) and 0."""
-        import sys
-
         if self.problems:
             for problem in self.problems:
                 print(f"mmrl {command}: {problem.line()}", file=sys.stderr)
@@ -114,7 +113,10 @@ def check_train(
         report.add("config", str(exc).removeprefix("invalid config: "))
         return report
     report.config = cfg
-    data = _check_data(report, cfg, read_data, online)
+    plugins_ok = _check_plugins(report, cfg.reward.plugins, "reward.plugins")
+    plugins_ok &= _check_plugins(report, cfg.agent.plugins, "agent.plugins")
+    _check_reward_models(report, cfg, plugins_ok)
+    data = _check_data(report, cfg, read_data and plugins_ok, online)
     model = _check_model(report, cfg.model.path, cfg.model.revision, "model.path", online)
     _check_packages(report, _train_packages(cfg))
     if cfg.trainer.eval_suite not in (None, "builtin") and not Path(cfg.trainer.eval_suite).exists():
@@ -139,6 +141,77 @@ def check_train(
             f"run folder: {t.run_dir or f'runs/{cfg.data.task}-<timestamp>'}",
         ]
     return report
+
+
+def _check_plugins(report: Report, modules: list[str], key: str) -> bool:
+    """Whether every module of `reward.plugins` / `agent.plugins` imports (each one that does not
+    is a problem naming it and why). A plugin registers verifiers or tools when imported, so it is
+    imported here, as the run would."""
+    import importlib
+
+    ok = True
+    for i, name in enumerate(modules):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            ok = False
+            hint = ""
+            if exc.name in (name, name.split(".")[0]):  # the module itself, not one it imports
+                hint = "; is its folder on PYTHONPATH?" + (
+                    " (PYTHONSAFEPATH=1 leaves the current folder off the path)"
+                    if sys.flags.safe_path
+                    else ""
+                )
+            report.add(f"{key}[{i}]", f"cannot import module {name!r}: {exc}{hint}")
+        except Exception as exc:  # noqa: BLE001 - the plugin's own code failed while importing
+            ok = False
+            report.add(f"{key}[{i}]", f"importing module {name!r} failed: {type(exc).__name__}: {exc}")
+    return ok
+
+
+def _check_reward_models(report: Report, cfg, plugins_ok: bool) -> None:
+    """`reward.model_rewards.models`: each has a name (once), a registered type, and only the
+    constructor arguments its type takes, as `mmrl.rewards.catalog.build_reward_models` will
+    require when the run builds them."""
+    import dataclasses
+
+    from mmrl.rewards.config import TYPED_CONFIGS
+
+    seen: set[str] = set()
+    registered: list[str] | None = None
+    for i, model_cfg in enumerate(cfg.reward.model_rewards.models):
+        where = f"reward.model_rewards.models[{i}]"
+        if not model_cfg.name:
+            report.add(f"{where}.name", "missing (the name samples ask for in reward_model.models)")
+        elif model_cfg.name in seen:
+            report.add(f"{where}.name", f"{model_cfg.name!r} is configured twice")
+        seen.add(model_cfg.name)
+        model_type = model_cfg.type or model_cfg.name
+        if not model_type:
+            continue
+        typed = TYPED_CONFIGS.get(model_type)
+        if typed is None:
+            if registered is None:
+                if not plugins_ok:
+                    return  # a plugin may register it: the plugin's problem is reported
+                from mmrl.rewards.catalog import reward_model_names  # imports the built-in models
+
+                registered = reward_model_names()
+            if model_type not in registered:
+                key = f"{where}.type" if model_cfg.type else f"{where}.name"
+                report.add(
+                    key,
+                    f"unknown reward model type {model_type!r} (known: {', '.join(registered)}; others "
+                    "register from a module named in reward.plugins)",
+                )
+            continue
+        known = sorted(f.name for f in dataclasses.fields(typed))
+        unknown = sorted(set(model_cfg.kwargs) - set(known))
+        if unknown:
+            report.add(
+                f"{where}.kwargs",
+                f"unknown key(s) {unknown} for reward model type {model_type!r} (known: {', '.join(known)})",
+            )
 
 
 def _train_packages(cfg) -> list[tuple[str, str]]:
@@ -196,11 +269,7 @@ def _check_data(report: Report, cfg, read_data: bool, online: bool) -> list[str]
             from mmrl.datasets.schema import SampleError
             from mmrl.datasets.sources import load_source
 
-            try:
-                if cfg.reward.plugins:  # verifier names are checked while reading
-                    from mmrl.router import import_plugins
-
-                    import_plugins(cfg.reward.plugins)
+            try:  # the plugins were imported by `_check_plugins`: their verifier names are known
                 loaded = load_source(entry, max_prompt_chars=d.max_prompt_chars)
             except (SampleError, ValueError, OSError, ImportError) as exc:
                 report.add(where, str(exc))
@@ -515,8 +584,18 @@ def check_eval(
     return report
 
 
-def check_serve() -> Report:
-    """`mmrl serve`'s packages (the `serve` extra)."""
+def check_serve(config_file: str | None = None) -> Report:
+    """`mmrl serve`'s packages (the `serve` extra), and the modules its config's `plugins` names
+    (`config_file`: the `--config` YAML; a file that does not load is left to `mmrl serve`, which
+    reports it)."""
     report = Report()
     _check_packages(report, [("fastapi", "mmrl serve"), ("uvicorn", "mmrl serve")])
+    if config_file is not None and not report.problems:
+        from mmrl.server.config import load_serve_config
+
+        try:
+            plugins = load_serve_config(config_file).plugins
+        except Exception:  # noqa: BLE001 - reported by `mmrl serve` itself, with its own wording
+            return report
+        _check_plugins(report, plugins, "plugins")
     return report

@@ -257,7 +257,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from mmrl.check import check_serve
 
-        report = check_serve()
+        report = check_serve(args.config)
         if report.problems:
             return report.print("serve")
         from mmrl.server import run_serve_command

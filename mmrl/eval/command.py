@@ -14,6 +14,7 @@ from pathlib import Path
 from mmrl.eval.config import CurveConfig, EvalConfig
 from mmrl.eval.runner import SCORING_MODES, _fmt, run_suite
 from mmrl.eval.suite import SuiteError, load_suite
+from mmrl.train.storage import StorageError
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -218,6 +219,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
     except (SuiteError, ValueError, FileNotFoundError, KeyError) as exc:
         print(f"mmrl eval: error: {exc}", file=sys.stderr)
         return 2
+    except StorageError as exc:  # --output read-only or full: the file and the cause named
+        print(f"mmrl eval: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _curves_command(args: argparse.Namespace) -> int:

@@ -228,6 +228,13 @@ def select_queries(
 # --------------------------------------------------------------------------- the cache
 
 
+OUTPUT_KEPT = (
+    "The queries already finished are kept in the output folder: free space (or choose another --output) "
+    "and rerun the same command to continue"
+)
+"""What a failed write of `mmrl eval`'s outputs leaves, and how to go on."""
+
+
 class RecordCache:
     """`queries.jsonl` of an output folder: last record per (task, query) wins; append-only."""
 
@@ -253,7 +260,12 @@ class RecordCache:
     def put(self, record: dict[str, Any]) -> None:
         self.records[(record["task"], record["query_idx"])] = record
         if self.path is not None:
-            with self.path.open("a", encoding="utf-8") as f:
+            from mmrl.train.storage import storage_errors
+
+            with (
+                storage_errors("write a query's record to", self.path, OUTPUT_KEPT),
+                self.path.open("a", encoding="utf-8") as f,
+            ):
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
@@ -288,7 +300,10 @@ class EvalResult:
 
 
 def _claim_output(folder: Path, model_id: str, suite_path: str, overwrite: bool) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+    from mmrl.train.storage import storage_errors
+
+    with storage_errors("create the output folder", folder):
+        folder.mkdir(parents=True, exist_ok=True)
     run_file = folder / "run.json"
     if run_file.exists() and not overwrite:
         previous = json.loads(run_file.read_text(encoding="utf-8"))
@@ -297,9 +312,10 @@ def _claim_output(folder: Path, model_id: str, suite_path: str, overwrite: bool)
                 f"{folder} holds results for model {previous.get('model')!r}, not {model_id!r}: "
                 "give another --output, or --overwrite to discard them"
             )
-    if overwrite and (folder / RECORDS_FILE).exists():
-        (folder / RECORDS_FILE).unlink()
-    run_file.write_text(json.dumps({"model": model_id, "suite": suite_path}, indent=1), encoding="utf-8")
+    with storage_errors("write", run_file):
+        if overwrite and (folder / RECORDS_FILE).exists():
+            (folder / RECORDS_FILE).unlink()
+        run_file.write_text(json.dumps({"model": model_id, "suite": suite_path}, indent=1), encoding="utf-8")
 
 
 def check_scoring(suite: Suite, selected: list[tuple[Task, list[Query]]], scoring: str) -> None:
@@ -612,9 +628,17 @@ def plot_results(result: EvalResult, out: Path) -> Path:
 
 
 def write_outputs(result: EvalResult, folder: Path) -> None:
-    (folder / "results.json").write_text(json.dumps(result.to_json(), indent=1), encoding="utf-8")
-    (folder / "results.md").write_text(results_markdown(result), encoding="utf-8")
-    plot_results(result, folder / "results.png")
+    """results.json, results.md and results.png; a failed write (a full disk, a read-only
+    folder) is a `StorageError` naming the file and the cause."""
+    from mmrl.train.storage import storage_errors
+
+    for name, write in (
+        ("results.json", lambda p: p.write_text(json.dumps(result.to_json(), indent=1), encoding="utf-8")),
+        ("results.md", lambda p: p.write_text(results_markdown(result), encoding="utf-8")),
+        ("results.png", lambda p: plot_results(result, p)),
+    ):
+        with storage_errors("write the results to", folder / name, OUTPUT_KEPT):
+            write(folder / name)
 
 
 # --------------------------------------------------------------------------- judge

@@ -58,6 +58,26 @@ class RunDirInUse(ValueError):
     """Another live process holds the run directory; the message names it and the fix."""
 
 
+class DamagedLock(ValueError):
+    """`run.lock` is not the JSON object mmrl writes; the message names the file and the fault."""
+
+
+PID_LIMIT = 4_194_304
+"""The largest process id Linux hands out (`PID_MAX_LIMIT`, 2**22): a lock's pid past it (or
+below 1: `kill(0)` and `kill(-1)` would ask about a whole process group) names no process."""
+
+
+def _json_kind(value: object) -> str:
+    """What a JSON value is, in words, for a damaged lock's message."""
+    if value is None:
+        return "null"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return f"a string ({json.dumps(value)[:40]})"
+    return f"{type(value).__name__} {json.dumps(value)[:40]}"
+
+
 def _boot_id() -> str | None:
     """This boot of this machine's kernel (Linux), so a lock from before a reboot is stale."""
     try:
@@ -78,9 +98,11 @@ def _process_start(pid: int) -> int | None:
 
 
 def _pid_alive(pid: int) -> bool:
+    if not 0 < pid <= PID_LIMIT:  # 0 and -1 would ask about process groups, never "no such process"
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:  # alive, another user's
         return True
@@ -109,8 +131,40 @@ class LockHolder:
 
     @classmethod
     def read(cls, path: Path) -> LockHolder:
-        data = json.loads(path.read_text())
-        return cls(**{f: data.get(f) for f in ("host", "pid", "start", "command", "boot_id", "pid_start")})
+        """The holder `path` names; `DamagedLock` (a ValueError naming the file and what is wrong)
+        when it is not the JSON object mmrl writes: not JSON, not an object (`null`, a list, a
+        string), or a pid that is no process id (not a whole number, 0, negative, past
+        `PID_LIMIT`). mmrl writes the lock whole (`os.replace`), so a damaged one was never a live
+        run's."""
+        try:
+            data = json.loads(path.read_text())
+        except UnicodeDecodeError as exc:
+            raise DamagedLock(f"{path} is damaged: not UTF-8 text ({exc.reason})") from None
+        except json.JSONDecodeError as exc:
+            raise DamagedLock(f"{path} is damaged: not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise DamagedLock(
+                f"{path} is damaged: a JSON object naming host and pid is expected, not {_json_kind(data)}"
+            )
+        pid = data.get("pid")
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_LIMIT:
+            raise DamagedLock(
+                f"{path} is damaged: field 'pid': {json.dumps(pid)[:40]} is not a process id "
+                f"(a whole number from 1 to {PID_LIMIT})"
+            )
+        host = data.get("host")
+        if not isinstance(host, str):
+            raise DamagedLock(f"{path} is damaged: field 'host': {json.dumps(host)[:40]} is not a host name")
+        pid_start = data.get("pid_start")
+        boot_id = data.get("boot_id")
+        return cls(
+            host,
+            pid,
+            str(data.get("start")),
+            str(data.get("command")),
+            boot_id if isinstance(boot_id, str) else None,
+            pid_start if isinstance(pid_start, int) and not isinstance(pid_start, bool) else None,
+        )
 
     def describe(self) -> str:
         return f"{self.command} (pid {self.pid} on host {self.host}, started {self.start})"
@@ -198,7 +252,12 @@ class RunDirLock:
             return None
         try:
             holder = LockHolder.read(self.path)
-        except (OSError, ValueError, TypeError) as exc:
+        except DamagedLock as exc:  # never a live run's: mmrl writes its lock whole
+            return (
+                f"{self.run_dir} has a lock that cannot be read: {exc}; no mmrl run writes such a "
+                f"lock. If no run is using this folder, delete {self.path}, or choose another {self.option}"
+            )
+        except OSError as exc:
             return (
                 f"{self.run_dir} is locked by {self.path}, which cannot be read ({exc}); if no run is using "
                 f"this folder, delete {self.path}, or choose another {self.option}"
