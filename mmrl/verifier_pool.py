@@ -11,6 +11,10 @@ server (`mmrl.server.app`). What it guarantees, whatever happens inside a worker
 - Dead workers. A worker that dies (OOM killer, segfault, `os._exit`, SIGKILL) is noticed through
   its process sentinel. Either way the item it was scoring gets an error result (a time-out or a
   crash), the other items it held are queued again, and a replacement worker is spawned.
+- Time-outs cancel. When a job's time limit passes (a server request's `timeout_s`), its queued
+  items are dropped and the workers still holding any of its items are killed and replaced;
+  the other jobs' items they held are queued again, unblamed. A client that sends answers
+  which take minutes each holds the workers for its request's time limit at most.
 - Signals. Workers ignore SIGINT and SIGTERM: a Ctrl-C or a SIGTERM sent to the whole process
   group (Slurm, systemd's `KillMode=control-group`) is the parent's to handle (the trainer writes
   a checkpoint and exits; the server shuts down); the parent then closes the pool. A worker
@@ -288,6 +292,7 @@ class _Worker:
         "chunks",
         "n_items",
         "kill_reason",
+        "cancelled",
     )
 
     def __init__(self, slot: int):
@@ -302,6 +307,8 @@ class _Worker:
         """In flight: message seq -> (its spans, its item count)."""
         self.n_items = 0
         self.kill_reason: str | None = None
+        self.cancelled = False
+        """Killed because a job it held samples of timed out (not for anything it did)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +375,8 @@ class VerifierPool:
         self._startup_failures = [0] * workers
         self._ready_waiters: list[asyncio.Future] = []
         self.restarts = 0
+        self.cancelled_workers = 0
+        """Workers killed because a job whose items they held timed out (`_cancel`)."""
         self.sent_messages = 0
         self.sent_items = 0
         """Messages sent to workers and the items they carried (items sent again included)."""
@@ -497,6 +506,10 @@ class VerifierPool:
         self._schedule_pump()
 
     def _expire(self, job: Job, timeout_s: float) -> None:
+        """The job's time limit passed: its items without a result get a time-out error, its
+        queued items are dropped, and the workers still holding its items are killed and
+        replaced (a verifier that takes minutes per sample must not keep the pool busy after
+        its request gave up: one client could otherwise hold every worker)."""
         if job.done:
             return
         message = f"timeout: the request's {timeout_s:g}s limit passed before this sample was scored"
@@ -507,6 +520,37 @@ class VerifierPool:
                 self.events.failed(job.items[i], "timeout")
         job.remaining = 0
         job.finish()
+        self._cancel(job, timeout_s)
+
+    def _cancel(self, job: Job, timeout_s: float) -> None:
+        """Drop `job`'s queued items and kill the workers holding any of its items (the other
+        items they hold are queued again when their end is noticed, without blame)."""
+        if any(span[0] is job for span in self.queue):
+            kept: deque[Span] = deque()
+            for span in self.queue:
+                if span[0] is job:
+                    self.queued -= span[2] - span[1]
+                    self.pending -= span[2] - span[1]
+                else:
+                    kept.append(span)
+            self.queue = kept
+        for worker in self.workers:
+            if worker.dead or worker.kill_reason is not None or not worker.chunks:
+                continue
+            if not any(span[0] is job for spans, _ in worker.chunks.values() for span in spans):
+                continue
+            worker.cancelled = True
+            worker.kill_reason = (
+                f"a request's {timeout_s:g}s time limit passed while this worker held its samples"
+            )
+            self.cancelled_workers += 1
+            log.warning(
+                "killing verifier worker %d (pid %s): %s; it will be replaced",
+                worker.slot,
+                worker.proc.pid,
+                worker.kill_reason,
+            )
+            worker.proc.kill()
 
     def _fail(self, job: Job, message: str) -> None:
         error = self.scorer.error_result(message)
@@ -628,8 +672,13 @@ class VerifierPool:
             f"the verifier worker process died while scoring this sample (exit code {code}); it was replaced"
         )
         seq, index, started = worker.progress[0], worker.progress[1], worker.progress[2]
-        blamed = (int(seq), int(index)) if started > 0 else None
+        # A worker killed for a timed-out job did nothing wrong: nothing it held is blamed.
+        blamed = (int(seq), int(index)) if started > 0 and not worker.cancelled else None
         requeue, culprit = _take_back(worker.chunks, blamed)
+        dropped = sum(end - start for job, start, end in requeue if job.done)  # their jobs timed out
+        if dropped:
+            self.pending -= dropped
+            requeue = [span for span in requeue if not span[0].done]
         if culprit is not None:
             job, item = culprit
             self.pending -= 1
@@ -641,7 +690,16 @@ class VerifierPool:
         self.queue.extendleft(reversed(requeue))
         self.queued += requeued
         self._schedule_pump()
-        if worker.ready:
+        if worker.cancelled:
+            log.info(
+                "verifier worker %d (pid %s) was killed (%s); it was replaced%s",
+                worker.slot,
+                worker.proc.pid,
+                worker.kill_reason,
+                f" and the {requeued} samples of other requests it held were sent again" if requeued else "",
+            )
+            delay = 0.0
+        elif worker.ready:
             log.warning(
                 "verifier worker %d (pid %s) ended: %s", worker.slot, worker.proc.pid,
                 _ended_how(reason if culprit is not None or worker.kill_reason else None, code, requeued),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import io
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -275,3 +276,71 @@ def test_body_timeout_must_be_positive():
     assert ServeConfig().body_timeout_s == 30.0
     with pytest.raises(ValueError, match="body_timeout_s must be > 0"):
         ServeConfig(body_timeout_s=0).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 11: a request's time-out cancels its work, so it cannot keep the pool busy
+
+
+def test_a_timed_out_request_s_workers_are_killed_and_replaced_so_the_next_client_is_served(
+    tmp_path, monkeypatch
+):
+    """Six answers that never finish by themselves (the `fault` verifier's `pid:` mode waits
+    for a file this test creates only at the end) and `timeout_s` 1: the request comes back
+    with time-out errors, its two busy workers are killed and replaced, and another client's
+    request is then scored (before the fix, the workers stayed busy with the dead request)."""
+    import asyncio
+    import json
+
+    from mmrl.server.app import create_app
+    from mmrl.server.config import ServeConfig
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "plugins"))  # workers inherit sys.path
+    app = create_app(
+        ServeConfig(workers=2, time_limit_s=600.0, request_timeout_s=600.0, plugins=["fault_verifiers"])
+    )
+    pool = app.endpoints.pool
+    slow = json.dumps(
+        {
+            "samples": [{"reward_model": {"verifier": "fault", "ground_truth": "1"}}],
+            "responses": [f"pid:{tmp_path / f'busy{i}'}" for i in range(6)],
+            "sample_index": [0] * 6,
+            "timeout_s": 1.0,
+        }
+    ).encode()
+    normal = json.dumps(
+        {
+            "samples": [{"reward_model": {"verifier": "math", "ground_truth": "3"}}],
+            "responses": ["\\boxed{3}"],
+        }
+    ).encode()
+
+    async def main() -> None:
+        await pool.start()
+        try:
+            await pool.wait_ready()
+            before = set(pool.worker_pids())
+            status, answer = await asyncio.wait_for(_asgi(app, "POST", "/score", slow), WAIT_S)
+            assert status == 200
+            assert [r["error"] for r in answer["results"]] == [
+                "timeout: the request's 1s limit passed before this sample was scored"
+            ] * 6
+            assert answer["errors"] == 6
+            # Both workers held the request's samples (the idle pool split them): both replaced.
+            assert pool.cancelled_workers == 2
+            # Another client: scored, not failed or left waiting behind the abandoned samples
+            # (WAIT_S only marks a hang as a failure).
+            status, answer = await asyncio.wait_for(_asgi(app, "POST", "/score", normal), WAIT_S)
+            assert status == 200, answer
+            assert answer["results"][0]["score"] == 1.0 and answer["results"][0]["error"] is None
+            after = set(pool.worker_pids())
+            assert len(after) == 2 and after.isdisjoint(before)
+            assert pool.restarts == 2
+            assert pool.pending == 0 and pool.queued == 0  # nothing of the dead request is left
+        finally:
+            for i in range(6):
+                (tmp_path / f"busy{i}.go").touch()
+            await pool.close()
+            app.endpoints.decoder.shutdown()
+
+    asyncio.run(main())
