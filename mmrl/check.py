@@ -3,11 +3,14 @@
     mmrl check --task qwen2_5_vl_3b_grpo_lora            # the same arguments as `mmrl train`
     mmrl check --task vision_reasoning data.train_files=[train.jsonl] data.heldout_files=[test.jsonl]
 
-Checked, in order: the config; every data path (a local file that does not exist is named with
-the folder it was resolved from; only a name that is not a local path is a hub id); the model
-(a local folder, or a hub id that is cached or that the hub has); the optional packages the run
-needs, each with its install line; and, where a GPU is visible, the GPU memory against a rough
-estimate of the run's needs. The answer is one line per problem and exit status 2, or `ready`
+Checked, in order: the config; the plugin modules (imported); the reward models (type,
+keywords, names); every data path (a local file that does not exist is named with the folder it
+was resolved from; only a name that is not a local path is a hub id), the procedural kinds, and,
+read, every sample (its images, the reward models it asks for); the model (a local folder, or a
+hub id that is cached or that the hub has); the optional packages the run needs, each with its
+install line; MLflow's tracking URI; a named run folder in use or finished; the number of GPUs
+the run places work on; and, where a GPU is visible, the GPU memory against a rough estimate of
+the run's needs. Whatever `mmrl train` would refuse after loading, this refuses first. The answer is one line per problem and exit status 2, or `ready`
 with a summary: what will run, where, and how many samples of which layout.
 
 `mmrl train` runs the same checks first (without reading the data, which training then reads
@@ -119,12 +122,16 @@ def check_train(
     data = _check_data(report, cfg, read_data and plugins_ok, online)
     model = _check_model(report, cfg.model.path, cfg.model.revision, "model.path", online)
     _check_packages(report, _train_packages(cfg))
+    _check_mlflow_store(report, cfg.trainer)
+    if read_data:  # `mmrl train` takes the lock itself right after these checks
+        _check_run_dir(report, cfg)
     if cfg.trainer.eval_suite not in (None, "builtin") and not Path(cfg.trainer.eval_suite).exists():
         report.add(
             "trainer.eval_suite",
             f"{cfg.trainer.eval_suite} does not exist (a suite folder or file, or builtin)",
         )
     gpu = _check_gpu(report, cfg, model)
+    _check_gpu_count(report, cfg)
     if not report.problems:
         t = cfg.trainer
         where = f"backend {t.backend}" + (
@@ -140,7 +147,25 @@ def check_train(
             *data,
             f"run folder: {t.run_dir or f'runs/{cfg.data.task}-<timestamp>'}",
         ]
+        rows = _training_rows(cfg, data)
+        if rows is not None and rows < t.prompts_per_step:
+            report.summary.append(
+                f"note: {rows} training samples, fewer than trainer.prompts_per_step={t.prompts_per_step}: "
+                "every step draws some prompts more than once (their groups are then not independent); "
+                "lower trainer.prompts_per_step or add samples"
+            )
     return report
+
+
+def _training_rows(cfg, data_lines: list[str]) -> int | None:
+    """How many training samples the run has: `data.num_train` for built-in data, else the
+    rows counted while reading the files (None when they were not read)."""
+    if not cfg.data.train_files:
+        return cfg.data.num_train
+    counted = [line for line in data_lines if line.startswith("train: ")]
+    if len(counted) != len(cfg.data.train_files):
+        return None
+    return sum(int(line.rsplit(": ", 2)[-1].split(" samples", 1)[0]) for line in counted)
 
 
 def _check_plugins(report: Report, modules: list[str], key: str) -> bool:
@@ -214,6 +239,83 @@ def _check_reward_models(report: Report, cfg, plugins_ok: bool) -> None:
             )
 
 
+def _check_mlflow_store(report: Report, trainer) -> None:
+    """With `mlflow` in `trainer.loggers`: the tracking URI is not MLflow's file store, which
+    the run refuses when it opens its trackers (`mmrl.train.metrics_log.MlflowTracker`)."""
+    if "mlflow" not in trainer.loggers or importlib.util.find_spec("mlflow") is None:
+        return  # a missing mlflow is reported with the packages
+    from mmrl.train.metrics_log import mlflow_store_problem, mlflow_tracking_uri
+
+    problem = mlflow_store_problem(mlflow_tracking_uri(trainer.mlflow))
+    if problem:
+        report.add("trainer.mlflow.tracking_uri", problem)
+
+
+def _check_run_dir(report: Report, cfg) -> None:
+    """A named run folder that another run holds (`run.lock`), or that holds a finished run
+    and is not resumed: what the run would refuse after loading its data."""
+    if not cfg.trainer.run_dir:
+        return
+    from mmrl.train.rundir import RunDirLock
+
+    run_dir = Path(cfg.trainer.run_dir)
+    busy = RunDirLock(run_dir, "mmrl train").in_use()
+    if busy:
+        report.add("trainer.run_dir", busy)
+    metrics = run_dir / "metrics.jsonl"
+    if not cfg.trainer.resume and metrics.is_file() and metrics.stat().st_size > 0:
+        report.add(
+            "trainer.run_dir",
+            f"{run_dir} already holds a run (metrics.jsonl): continue it with --resume auto, or choose another "
+            "trainer.run_dir",
+        )
+
+
+def gpus_needed(cfg) -> tuple[int, str] | None:
+    """How many GPUs this machine must have for `cfg`, and why; None when it needs none here
+    (CPU runs, or a Ray cluster joined by `trainer.ray_address`, whose GPUs may be elsewhere)."""
+    import math
+
+    t = cfg.trainer
+    if t.backend == "ray":
+        if t.ray_address:
+            return None
+        per_actor = t.ray_gpus_per_actor
+        total = per_actor * (t.train_workers + t.rollout_workers) + t.ray_reward_gpus * t.reward_workers
+        if total <= 0:
+            return None
+        why = (
+            f"trainer.backend=ray with trainer.ray_gpus_per_actor={per_actor:g} for {t.train_workers} training + "
+            f"{t.rollout_workers} rollout workers"
+        )
+        if t.ray_reward_gpus:
+            why += f" and trainer.ray_reward_gpus={t.ray_reward_gpus:g} for {t.reward_workers} reward workers"
+        return math.ceil(total - 1e-9), why
+    if t.device.startswith("cuda"):
+        index = t.device.partition(":")[2]
+        return (int(index) + 1 if index.isdigit() else 1), f"trainer.device={t.device}"
+    if cfg.rollout.engine == "vllm":
+        return 1, "rollout.engine=vllm"
+    return None
+
+
+def _check_gpu_count(report: Report, cfg) -> None:
+    """Enough visible GPUs for what `cfg` places on them (`gpus_needed`)."""
+    need = gpus_needed(cfg)
+    if need is None:
+        return
+    count, why = need
+    gpus = visible_gpus()
+    have = 0 if gpus is None else len(gpus)
+    if have < count:
+        seen = "no GPU is visible (nvidia-smi)" if not have else f"{have} GPU(s) are visible"
+        report.add(
+            "gpu",
+            f"{why} needs {count} GPU(s), but {seen}: run it on a machine with them, join a Ray cluster that "
+            "has them (trainer.ray_address), or ask for fewer",
+        )
+
+
 def _train_packages(cfg) -> list[tuple[str, str]]:
     """(module, why) for every optional package the run needs."""
     t = cfg.trainer
@@ -248,10 +350,34 @@ def _is_hub_source(entry: str) -> bool:
     return not (local is not None and local.suffix.lower() in SAMPLE_FILE_SUFFIXES and not spec.data_files)
 
 
+def _check_sample_models(report: Report, where: str, entry: str, samples: list, cfg) -> None:
+    """The first sample of a source that asks (`reward_model.models`) for a reward model the run
+    does not configure (`reward.model_rewards.models`), as the trainer refuses it."""
+    configured = {m.name for m in cfg.reward.model_rewards.models}
+    for sample in samples:
+        for asked in sample.reward_model.models:
+            name = asked.get("name") if isinstance(asked, dict) else None
+            if name not in configured:
+                report.add(
+                    where,
+                    f"{entry}: sample {sample.id}: field 'reward_model.models': reward model {name!r} is not "
+                    f"configured (reward.model_rewards.models: {sorted(configured) or 'none'})",
+                )
+                return
+
+
 def _check_data(report: Report, cfg, read_data: bool, online: bool) -> list[str]:
     """Every data source exists (or the hub has it); with `read_data`, read and count them."""
     d = cfg.data
     if not d.train_files:
+        from mmrl.datasets.procedural import kinds as known_kinds
+
+        known = known_kinds()
+        unknown = [k for k in d.kinds if k not in known]
+        if unknown or not d.kinds:
+            report.add(
+                "data.kinds", f"unknown procedural kind(s) {unknown}: choose from {', '.join(sorted(known))}"
+            )
         kinds = ", ".join(d.kinds)
         return [
             f"data: built-in {d.task} ({kinds}): {d.num_train} training, {d.num_heldout} held-out samples"
@@ -274,6 +400,7 @@ def _check_data(report: Report, cfg, read_data: bool, online: bool) -> list[str]
             except (SampleError, ValueError, OSError, ImportError) as exc:
                 report.add(where, str(exc))
                 continue
+            _check_sample_models(report, where, entry, loaded.samples, cfg)
             lines.append(
                 f"{key.split('.')[1].removesuffix('_files')}: {entry}: {len(loaded.samples)} samples, {loaded.layout} layout ({loaded.origin})"
             )
@@ -548,6 +675,7 @@ def _check_diffusion(
         if n in ("wandb", "mlflow", "tensorboard")
     ]
     _check_packages(report, needs)
+    _check_mlflow_store(report, cfg.trainer)
     for name, kwargs in cfg.reward.kwargs.items():
         for key, value in kwargs.items():
             if key.endswith(("_weights", "_path")) and isinstance(value, str) and not Path(value).exists():

@@ -51,10 +51,11 @@ examples:
 """
 
 CHECK_EPILOG = """\
-Checks, without starting anything: the config; every data path (a missing local file is named
-with the folder it was resolved from); the model folder or hub id (cached, or on a reachable
-hub); the optional packages the run needs, with their install lines; GPU memory against a rough
-estimate of the run's needs. Prints one line per problem (exit status 2) or `ready` and a summary.
+Checks, without starting anything: the config; the plugin modules and reward models; every data
+path (a missing local file is named with the folder it was resolved from) and every sample; the
+model folder or hub id (cached, or on a reachable hub); the optional packages the run needs, with
+their install lines; MLflow's store; the run folder; the GPUs the run needs and their memory
+against a rough estimate. Prints one line per problem (exit status 2) or `ready` and a summary.
 
 examples:
   mmrl check --task qwen2_5_vl_3b_grpo_lora

@@ -352,6 +352,31 @@ def mlflow_key(name: str) -> str:
     return "/".join(parts) or "_"
 
 
+def mlflow_tracking_uri(settings: Any) -> str:
+    """The tracking URI a run logs to: `trainer.mlflow.tracking_uri`, else MLflow's own default
+    (`MLFLOW_TRACKING_URI`, else `sqlite:///mlflow.db` in the current folder since MLflow 3).
+    Imports mlflow only when neither is set."""
+    import os
+
+    uri = settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return str(uri)
+    import mlflow
+
+    return str(mlflow.get_tracking_uri())
+
+
+def mlflow_store_problem(uri: str) -> str | None:
+    """Why a run cannot log to `uri` (MLflow's file store: a path or `file:` URI), or None."""
+    if urlparse(str(uri)).scheme in ("", "file"):
+        return (
+            f"{uri} is MLflow's file store, which keeps each metric name as a path, and mmrl's names nest "
+            "(reward/mean and reward/mean/<data_source>): use a database (sqlite:///mlflow.db) or a tracking "
+            "server (http://host:5000)"
+        )
+    return None
+
+
 class MlflowTracker(Tracker):
     """MLflow through its own client (`MlflowClient`, no global active run): one run in
     `trainer.mlflow.experiment`, the config flattened into parameters (`trainer.total_steps`)
@@ -373,12 +398,9 @@ class MlflowTracker(Tracker):
         import mlflow
 
         self.uri = settings.tracking_uri or mlflow.get_tracking_uri()
-        if urlparse(str(self.uri)).scheme in ("", "file"):
-            raise ValueError(
-                f"trainer.mlflow.tracking_uri: {self.uri} is MLflow's file store, which keeps each metric "
-                "name as a path, and mmrl's names nest (reward/mean and reward/mean/<data_source>): use a "
-                "database (sqlite:///mlflow.db) or a tracking server (http://host:5000)"
-            )
+        problem = mlflow_store_problem(self.uri)
+        if problem:
+            raise ValueError(f"trainer.mlflow.tracking_uri: {problem}")
         self.client = MlflowClient(tracking_uri=self.uri)
         if run_id:
             try:

@@ -9,6 +9,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -192,7 +193,13 @@ class RunDirLock:
     plain file, not a held `flock`: worker processes forked by the trainer inherit open files,
     and a flock would outlive a killed trainer for as long as they do."""
 
-    def __init__(self, run_dir: Path | str, command: str, option: str = "trainer.run_dir"):
+    def __init__(
+        self,
+        run_dir: Path | str,
+        command: str,
+        option: str = "trainer.run_dir",
+        discard_unstarted: bool = False,
+    ):
         self.run_dir = Path(run_dir)
         self.option = option  # what the user sets to choose another folder
         self.path = self.run_dir / LOCK_NAME
@@ -201,6 +208,11 @@ class RunDirLock:
         self.created = False
         """Whether `acquire` created the folder (`release` then removes it if nothing else was
         written there: a run refused after the lock leaves no empty folder behind)."""
+        self.discard_unstarted = discard_unstarted
+        """A training run's lock: when the block it guards raises (a refusal after the data or
+        the model loaded, a crash) before the run logged a step or wrote a checkpoint, a folder
+        that `acquire` created is removed with all it holds (config.yaml, an empty metrics.jsonl,
+        tracker folders), so a refused run leaves no run folder behind."""
         self.handed_over = False
         """Taken by the command line for the trainer (`take_run_dir_first`): entering it again
         keeps it instead of taking it a second time."""
@@ -272,9 +284,10 @@ class RunDirLock:
             f"another {self.option}. If that process is gone, delete {self.path}."
         )
 
-    def release(self) -> None:
+    def release(self, failed: bool = False) -> None:
         """Remove the lock if it is still this process's (and the folder, if `acquire` created
-        it and it is empty now)."""
+        it and it is empty now; with `failed` and `discard_unstarted`, also if the run never
+        started: `run_started`)."""
         if self.handed_over:
             _handed_over.pop(_key(self.run_dir), None)
         if self.holder is None:
@@ -283,7 +296,10 @@ class RunDirLock:
             with contextlib.suppress(OSError, ValueError, TypeError):
                 if LockHolder.read(self.path) == self.holder:
                     self.path.unlink()
-                    if self.created:
+                    if self.created and failed and self.discard_unstarted and not run_started(self.run_dir):
+                        log.info("%s: removed (the run stopped before its first step)", self.run_dir)
+                        shutil.rmtree(self.run_dir, ignore_errors=True)
+                    elif self.created:
                         with contextlib.suppress(OSError):  # not empty: the run wrote there
                             self.run_dir.rmdir()
         self.holder = None
@@ -293,8 +309,18 @@ class RunDirLock:
             return self  # taken first by the command line, kept (`take_run_dir_first`)
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.release(failed=exc_type is not None)
+
+
+def run_started(run_dir: Path) -> bool:
+    """Whether a training run in `run_dir` got anywhere worth keeping: a line in `metrics.jsonl`
+    (the step-0 evaluation writes the first) or anything under `checkpoints/`."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return True
+    checkpoints = Path(run_dir) / "checkpoints"
+    return checkpoints.is_dir() and any(checkpoints.iterdir())
 
 
 _handed_over: dict[Path, RunDirLock] = {}
@@ -311,7 +337,7 @@ def hold_run_dir(run_dir: Path | str, command: str) -> RunDirLock:
     lock = _handed_over.get(_key(run_dir))
     if lock is not None and lock.command == command and lock.holder is not None:
         return lock
-    return RunDirLock(run_dir, command)
+    return RunDirLock(run_dir, command, discard_unstarted=True)
 
 
 def take_run_dir_first(run_dir: Path | str, command: str) -> RunDirLock:
@@ -319,7 +345,7 @@ def take_run_dir_first(run_dir: Path | str, command: str) -> RunDirLock:
     trainer is refused at once, not after minutes of loading), and handed to the trainer: its
     `hold_run_dir` of the same folder and command, in this process, keeps this lock. Use it in
     a `with` block around the training call; the lock is released when either block ends."""
-    lock = RunDirLock(run_dir, command).acquire()
+    lock = RunDirLock(run_dir, command, discard_unstarted=True).acquire()
     lock.handed_over = True
     _handed_over[_key(run_dir)] = lock
     return lock
