@@ -90,8 +90,12 @@ examples:
 
 def add_train_arguments(parser: argparse.ArgumentParser, tasks: list[str]) -> None:
     """`mmrl train`'s (and `mmrl check`'s) arguments."""
-    parser.add_argument(
-        "--task", choices=tasks, default="vision_reasoning", help="task recipe (default: vision_reasoning)"
+    parser.add_argument(  # the choices once, in the help (a `{...}` metavar would list them twice more)
+        "--task",
+        choices=tasks,
+        default="vision_reasoning",
+        metavar="TASK",
+        help=f"task recipe (configs/<task>.yaml), one of: {', '.join(tasks)} (default: vision_reasoning)",
     )
     parser.add_argument("--config", metavar="FILE", help="YAML config merged over the task recipe")
     parser.add_argument(
@@ -135,7 +139,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     p_train = sub.add_parser(
         "train",
         help="train a policy with RL",
-        description=f"Train a VLM with GRPO, or a diffusion model with flow-GRPO (text_to_image). Tasks: {', '.join(tasks)}.",
+        description="Train a VLM with GRPO, or a diffusion model with flow-GRPO (text_to_image); --task picks the recipe.",
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -512,8 +512,10 @@ class MlflowConfig:
     experiment: str = "mmrl"
     """Experiment the run is filed under (created if missing)."""
     artifact_location: str | None = None
-    """Where a newly created experiment keeps artifacts (config, PNGs); None: MLflow's default
-    (the server's, or `./mlruns` beside a local database)."""
+    """Where a newly created experiment keeps artifacts (config, PNGs, generation tables); None:
+    MLflow's default: a tracking server's own artifact store, or, with a local database
+    (`sqlite:///...`), `./mlruns/<experiment id>/` under the folder mmrl was started from (not
+    beside the database, not in the run folder). An experiment that exists keeps its location."""
     run_name: str | None = None
     """Run name; None: the run directory's name."""
     tags: dict[str, str] = field(default_factory=dict)

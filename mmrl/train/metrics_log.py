@@ -278,11 +278,18 @@ def _missing(name: str, extra: str) -> TrackerNotInstalled:
     )
 
 
+WANDB_DATA_DIR = "WANDB_DATA_DIR"
+"""wandb's data folder, where it stages the files of the artifacts a run logs (a generations
+table's images) until they are uploaded; default `~/.local/share/wandb`, outside the run."""
+
+
 class WandbTracker(Tracker):
     """Weights & Biases through `wandb`; its files go under `<run_dir>/wandb/`. Offline mode
     (`trainer.wandb.mode=offline` or `WANDB_MODE=offline`) writes `offline-run-*/run-<id>.wandb`
     there for `wandb sync`; a resumed run is another such folder with the same run id, which
-    `wandb sync` appends to the same run."""
+    `wandb sync` appends to the same run. The staged files of the generations tables (their
+    images) go to `<run_dir>/wandb/data/` too, unless `WANDB_DATA_DIR` names another folder:
+    `$WANDB_DATA_DIR` is set to it while the run is open."""
 
     name = "wandb"
 
@@ -292,6 +299,11 @@ class WandbTracker(Tracker):
         except ImportError:
             raise _missing("wandb", "wandb") from None
         self._wandb = wandb
+        import os
+
+        self._set_data_dir = not os.environ.get(WANDB_DATA_DIR)
+        if self._set_data_dir:  # read by wandb whenever it stages a file (wandb.env.get_data_dir)
+            os.environ[WANDB_DATA_DIR] = str(Path(run_dir).resolve() / "wandb" / "data")
         try:
             self.run = wandb.init(
                 project=settings.project,
@@ -306,6 +318,7 @@ class WandbTracker(Tracker):
                 resume="allow" if run_id else None,
             )
         except Exception as exc:  # noqa: BLE001 - wandb raises many kinds (auth, network, usage)
+            self._restore_data_dir()
             raise ValueError(
                 f"trainer.loggers: wandb could not start a run ({type(exc).__name__}: {exc}). Log in "
                 "(`wandb login`, WANDB_API_KEY) or log offline (trainer.wandb.mode=offline)"
@@ -334,7 +347,18 @@ class WandbTracker(Tracker):
         self.run.log({key: self._wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self, status: str) -> None:
-        self.run.finish(exit_code=1 if status == "failed" else 0)
+        try:
+            self.run.finish(exit_code=1 if status == "failed" else 0)
+        finally:
+            self._restore_data_dir()
+
+    def _restore_data_dir(self) -> None:
+        """Unset `WANDB_DATA_DIR` if this tracker set it."""
+        import os
+
+        if self._set_data_dir:
+            os.environ.pop(WANDB_DATA_DIR, None)
+            self._set_data_dir = False
 
 
 _MLFLOW_NAME = re.compile(r"[^/\w.\- :]")
