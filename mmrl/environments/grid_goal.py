@@ -6,9 +6,9 @@ reset's seed, so that a layout is a seed's (agent cell, direction, goal cell), a
 layouts can be kept out of training (`datasets/minigrid.py`). MiniGrid's reward: 1 - 0.9 x
 steps / max_steps on reaching the goal, else 0.
 
-The model acts with the words `left`, `right`, `forward` and sees the whole room turned so that
-it faces up (`view="ego"`; "full" and MiniGrid's 7x7 "agent" view are options), rendered at
-`tile_size` pixels a cell: the reset's picture follows the prompt's instructions, and each
+The model acts with the words `left`, `right`, `forward` and sees the room centred on itself and
+turned so that it faces up (`view="ego"`; "full", from above, and MiniGrid's 7x7 "agent" view,
+which does not see behind, are options), rendered at `tile_size` pixels a cell: the reset's picture follows the prompt's instructions, and each
 step's picture alone is the next user turn (no repeated text: with byte-level tiny tokenizers a
 sentence per turn would be most of the sequence).
 """
@@ -62,10 +62,11 @@ def _register_gym() -> None:
 
 def make_goal_env(size: int = 6, tile_size: int = 11, view: str = "ego", max_steps: int | None = None) -> Any:
     """The goal room, acted on with `GOAL_ACTIONS`, rendered at `tile_size` pixels a cell
-    without the agent-view shading: the whole room turned so that the agent faces up
-    (`view="ego"`: "forward" is always up the picture, the goal's place relative to the agent
-    is all there is to read), from above as MiniGrid draws it (`"full"`), or MiniGrid's own
-    7x7 agent view (`"agent"`: the cells behind the agent are not seen)."""
+    without the agent-view shading: centred on the agent and turned so that it faces up
+    (`view="ego"`: "forward" is always up the picture from the middle, the goal's place
+    relative to the agent is all there is to read; `goal_observation`), from above as MiniGrid
+    draws it (`"full"`), or MiniGrid's own 7x7 agent view (`"agent"`: the cells behind the
+    agent are not seen)."""
     if view not in ("ego", "full", "agent"):
         raise ValueError(f"view must be 'ego', 'full' or 'agent', got {view!r}")
     _register_gym()
@@ -84,12 +85,21 @@ def make_goal_env(size: int = 6, tile_size: int = 11, view: str = "ego", max_ste
 
 
 def goal_observation(env: Any, obs: Any, info: dict[str, Any]) -> Observation:
-    """The room as a picture (turned for the `ego` view: MiniGrid's directions 0-3 are right,
-    down, left, up, so (direction + 1) quarter turns counter-clockwise bring it up), no text."""
+    """The room as a picture, no text. `ego`: centred on the agent and turned so that it faces
+    up (MiniGrid's directions 0-3 are right, down, left, up, so (direction + 1) quarter turns
+    counter-clockwise bring it up), cut to the (2 x size - 5)-cell square around it that holds
+    every inside cell whatever the agent's place: each cell is where it is relative to the agent."""
     base = env.unwrapped
     frame = base.get_frame(base.highlight, base.tile_size, base.agent_pov)
     if getattr(base, "mmrl_view", "full") == "ego":
-        frame = np.ascontiguousarray(np.rot90(frame, k=(int(base.agent_dir) + 1) % 4))
+        tile, (w, h) = base.tile_size, (base.width, base.height)
+        ax, ay = int(base.agent_pos[0]), int(base.agent_pos[1])
+        canvas = np.zeros(((2 * h - 1) * tile, (2 * w - 1) * tile, 3), dtype=frame.dtype)
+        top, left = (h - 1 - ay) * tile, (w - 1 - ax) * tile
+        canvas[top : top + h * tile, left : left + w * tile] = frame
+        r = w - 3  # every inside cell is at most this many cells from the agent
+        canvas = canvas[(h - 1 - r) * tile : (h + r) * tile, (w - 1 - r) * tile : (w + r) * tile]
+        frame = np.ascontiguousarray(np.rot90(canvas, k=(int(base.agent_dir) + 1) % 4))
     return Observation(text="", images=[Image.fromarray(frame).convert("RGB")])
 
 
