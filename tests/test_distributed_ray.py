@@ -193,11 +193,13 @@ def test_a_dead_rollout_worker_is_reported_by_name(local_ray, model_dir):
 def test_tool_samples_train_on_ray_and_in_the_asynchronous_mode_with_the_agent_metrics(
     local_ray, tmp_path, monkeypatch
 ):
-    """`visual_search` samples (they name `zoom_in`) on the Ray backend, their tools run by the
-    rollout workers, and in the local asynchronous mode, its tools run by the generator thread:
-    both finish with every `agent/` metric, overall and per data source. The random model's
-    turns are read as zoom calls (`agent.plugins`: a call format the workers import too), and its
-    stop tokens are every printable byte, so its turns end within a few tokens."""
+    """`visual_search` samples (they name `zoom_in`) and `minigrid` episodes (an environment) in
+    one batch, on the Ray backend, their tools and environments run by the rollout workers, and
+    in the local asynchronous mode, by the generator thread: both finish with every `agent/`
+    metric, overall and per data source, the environments' included. The random model's turns
+    are read as zoom calls (`agent.plugins`: a call format the workers import too), and its stop
+    tokens are every printable byte, so its turns end within a few tokens (as actions, mostly
+    invalid ones: counted, the episode goes on to its turn limit)."""
     from pathlib import Path
 
     from mmrl.models.loading import make_policy
@@ -212,9 +214,9 @@ def test_tool_samples_train_on_ray_and_in_the_asynchronous_mode_with_the_agent_m
     policy.model.save_pretrained(model_dir)
     policy.processor.save_pretrained(model_dir)
     common = [
-        "trainer.total_steps=2", "trainer.prompts_per_step=2", "rollout.group_size=2", "trainer.eval_size=4",
+        "trainer.total_steps=2", "trainer.prompts_per_step=4", "rollout.group_size=2", "trainer.eval_size=4",
         "trainer.eval_every=2", "trainer.progress=false", "reward.num_workers=1", "rollout.max_new_tokens=8",
-        "data.kinds=[visual_search]", f"model.path={model_dir}", "agent.plugins=[multiturn_formats]",
+        "data.kinds=[visual_search,minigrid]", f"model.path={model_dir}", "agent.plugins=[multiturn_formats]",
         "agent.call_format=plugin_always_zoom", "agent.max_turns=2",
     ]  # fmt: skip
     on_ray = train(
@@ -253,5 +255,8 @@ def test_tool_samples_train_on_ray_and_in_the_asynchronous_mode_with_the_agent_m
     assert len(steps["ray"]) == len(steps["async"]) == 2
     assert agent_keys["ray"] == agent_keys["async"]
     assert "agent/turns/visual_search/visual_search" in agent_keys["ray"][0]
+    assert "agent/env_steps/minigrid/minigrid" in agent_keys["ray"][0]
     for recs in steps.values():
         assert all(r["agent/tool_calls"] > 0 and r["agent/observation_tokens"] > 0 for r in recs)
+        assert all(r["agent/turns/minigrid/minigrid"] > 1 for r in recs)  # the episodes went on
+        assert all(r["agent/end_env_error"] == 0 and r["agent/end_env_timeout"] == 0 for r in recs)

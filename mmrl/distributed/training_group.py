@@ -131,7 +131,9 @@ class ShareOfGlobalLoss(torch.nn.Module):
                     "matches row_chunks, so the group's loss shares would be wrong"
                 )
             share = self.shares.popleft()
-            out = tuple(_ScaleGrad.apply(x, share) for x in out)
+            out = tuple(
+                None if x is None else _ScaleGrad.apply(x, share) for x in out
+            )  # (no critic: no values)
         return out
 
 
