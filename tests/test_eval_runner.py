@@ -331,13 +331,20 @@ def test_mmrl_eval_with_tools_runs_trajectories_and_reports_turn_and_tool_figure
     tiny_model_dir, tmp_path, capsys, monkeypatch
 ):
     """`--tools`: each query is a multi-turn trajectory through the training loop (here every turn
-    reads as a zoom_in call, `plugin_always_zoom`, so the tool really runs each turn), scored on
+    reads as a zoom_in call, `eval_always_zoom`, so the tool really runs each turn), scored on
     its last turn; results, records and the console carry the same turn and tool figures as the
     trainer's `agent/*` metrics, and a re-run resumes without generating."""
     import torch
 
     import mmrl.models.loading as loading
-    import tests.plugins.multiturn_formats  # noqa: F401 - registers plugin_always_zoom
+    from mmrl.environments import ParsedTurn, ToolCall, call_format_names, register_call_format
+
+    # (its own name: tests/plugins/multiturn_formats.py's may be imported under another module
+    # name by a Ray test in the same process, and a name registers once)
+    if "eval_always_zoom" not in call_format_names():
+        register_call_format("eval_always_zoom")(
+            lambda text: ParsedTurn([ToolCall("zoom_in", {"bbox_2d": [0, 0, 32, 32]}, text)], [], [])
+        )
 
     # The saved tiny model, its LM head biased to its stop token, so that greedy turns end on it
     # (a random model's turns run to the length limit, and a cut turn ends its trajectory).
@@ -359,7 +366,7 @@ def test_mmrl_eval_with_tools_runs_trajectories_and_reports_turn_and_tool_figure
     out = tmp_path / "out"
     argv = ["--suite", str(suite), "--model", str(tiny_model_dir), "--output", str(out)]
     argv += ["--max-queries", "1", "--max-new-tokens", "4", "--batch-size", "16", "--no-progress"]
-    argv += ["--tools", "zoom_in", "--call-format", "plugin_always_zoom", "--max-turns", "3"]
+    argv += ["--tools", "zoom_in", "--call-format", "eval_always_zoom", "--max-turns", "3"]
     assert run_eval_command(_parse(argv)) == 0
     printed = capsys.readouterr().out
     assert "tools zoom_in: 3.00 turns and 2.00 calls per query, tool-call rate 100.0%" in printed
