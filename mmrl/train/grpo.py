@@ -329,6 +329,7 @@ def _train_holding(
     total = cfg.trainer.total_steps
     stop = StopRequest()
     tool_figures: dict[str, float] = {}  # (TrainResult.tools)
+    with_tools = any(s.agent is not None and s.agent.tools for s in heldout)  # (not environments alone)
 
     def run_eval(step: int) -> float:
         # A stop asked during an evaluation ends it between two responses (EvaluationInterrupted).
@@ -340,7 +341,7 @@ def _train_holding(
         )  # fmt: skip
         metrics = evaluation.metrics
         tr = cfg.trainer
-        if tr.eval_without_tools and (step == 0 or step == total) and any(s.agent for s in heldout):
+        if tr.eval_without_tools and (step == 0 or step == total) and with_tools:
             # The same held-out prompts with the tools switched off, side by side (the task's
             # own tool-free wording where it has one: `mmrl.datasets.visual_search.without_tools`).
             from mmrl.datasets.visual_search import without_tools
@@ -363,7 +364,7 @@ def _train_holding(
                  metrics["eval/accuracy_low"], metrics["eval/accuracy_high"], metrics["eval/n"])  # fmt: skip
         interval = [metrics["eval/accuracy_low"], metrics["eval/accuracy_high"]]
         when = "start" if step == 0 else "final"
-        if "eval/agent/tool_call_rate" in metrics:
+        if with_tools and "eval/agent/tool_call_rate" in metrics:
             tool_figures[f"{when}_tool_call_rate"] = metrics["eval/agent/tool_call_rate"]
         if "eval_no_tools/accuracy" in metrics:
             for key in ("", "_low", "_high"):
