@@ -15,6 +15,10 @@ step; MiniGrid's small tasks register on import (`mmrl.environments.minigrid_env
     session = EnvSession(EnvSpec(id="minigrid-empty-5x5"))       # or a Gymnasium id
     first = reset_sessions([session], [seed], limits)[0]           # image + text, the first turn
     step = step_sessions([session], [model_text], limits)[0]       # .observation .reward .error
+
+A TRL-style environment class (`environment_factory`: `reset(**row)`, public methods as tools,
+optional `get_reward()`) registers its methods as tools, one instance per trajectory
+(`register_environment_class`, `mmrl.environments.trl_env`).
 """
 
 from mmrl.environments import (
@@ -81,6 +85,7 @@ from mmrl.environments.tools import (
     tool_schemas,
     unregister_tool,
 )
+from mmrl.environments.trl_env import TrlEnvironment, register_environment_class, sample_row
 from mmrl.environments.verl_adapter import VerlToolAdapter, register_verl_tool
 
 __all__ = [
@@ -115,6 +120,7 @@ __all__ = [
     "ToolCall",
     "ToolContext",
     "ToolLimits",
+    "TrlEnvironment",
     "VerlToolAdapter",
     "add_tool",
     "apply_limits",
@@ -125,6 +131,7 @@ __all__ = [
     "merge_observations",
     "parse_tool_calls",
     "register_call_format",
+    "register_environment_class",
     "register_tool",
     "register_verl_tool",
     "release_all",
@@ -132,6 +139,7 @@ __all__ = [
     "run_tool_call",
     "run_tool_batches",
     "run_tool_calls",
+    "sample_row",
     "tool_call_text",
     "tool_names",
     "tool_schemas",

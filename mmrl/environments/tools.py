@@ -89,6 +89,9 @@ class ToolContext:
     """Per-trajectory tool state (class and veRL tools keep their instance ids here)."""
     tools: list[str] | None = None
     """The tools this trajectory may call (the sample's tool names); None: every registered one."""
+    sample: Any = None
+    """The `Sample` this trajectory answers, where the caller passes it (None otherwise): a
+    TRL-style environment's `reset(**row)` reads its fields (`mmrl.environments.trl_env`)."""
 
     def add_observations(self, observations: Sequence[Observation]) -> None:
         """Append the observations' images, in order: call once per turn, after its tools ran,
