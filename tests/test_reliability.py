@@ -302,10 +302,12 @@ def test_sigint_during_a_checkpoint_write_then_resume_is_bit_exact(mmrl_cache, t
 
 
 def test_a_multi_turn_run_killed_inside_a_step_resumes_exactly(tmp_path, monkeypatch):
-    """Tool samples (`visual_search`: they name `zoom_in`) on a random tiny model whose turns
-    are read as zoom calls (`agent.plugins`) and end on any printable byte: the run is SIGKILLed
-    while step 3's trajectories call their tools (a parse after the step-2 checkpoint), then
-    resumed; every metric equals the uninterrupted run's, the `agent/` ones included."""
+    """Tool samples (`visual_search`: they name `zoom_in`) and environment episodes
+    (`minigrid`: each trajectory its own MiniGrid env, made and reset from its seed inside the
+    step) on a random tiny model whose turns are read as zoom calls (`agent.plugins`) and end on
+    any printable byte: the run is SIGKILLed while step 3's trajectories call their tools (a
+    parse after the step-2 checkpoint), then resumed; every metric equals the uninterrupted
+    run's, the `agent/` ones included, the environments' among them."""
     from mmrl.models.loading import make_policy
     from mmrl.models.tiny import TinyVLMSpec, build_processor, build_tiny_vlm
 
@@ -320,7 +322,7 @@ def test_a_multi_turn_run_killed_inside_a_step_resumes_exactly(tmp_path, monkeyp
     policy.processor.save_pretrained(model_dir)
     args = [
         *SHORT, "trainer.total_steps=4", "trainer.checkpoint_every=2", "trainer.keep_last=0",
-        "rollout.max_new_tokens=6", "data.kinds=[visual_search]", f"model.path={model_dir}",
+        "rollout.max_new_tokens=6", "data.kinds=[visual_search,minigrid]", f"model.path={model_dir}",
         "agent.plugins=[multiturn_formats]", "agent.call_format=plugin_marked_zoom", "agent.max_turns=2",
         "trainer.eval_every=4",
     ]  # fmt: skip
@@ -340,4 +342,5 @@ def test_a_multi_turn_run_killed_inside_a_step_resumes_exactly(tmp_path, monkeyp
     assert resumed.wait() == 0, resumed.stderr.read()[-3000:]
     whole_metrics = _metrics(tmp_path / "whole")
     assert any("agent/turns" in r and r["agent/turns"] > 1 for r in whole_metrics)
+    assert any(r.get("agent/turns/minigrid/minigrid", 0) > 1 for r in whole_metrics)  # episodes in steps
     assert _metrics(tmp_path / "killed") == whole_metrics
