@@ -14,7 +14,6 @@ import pytest
 import torch
 from PIL import Image
 
-import mmrl.environments as environments
 from mmrl.config import AgentConfig
 from mmrl.environments import (
     ParsedTurn,
@@ -135,15 +134,6 @@ def test_a_trajectory_runs_on_its_own_instance_reset_with_its_row_and_rewarded_a
     samples = _samples(game.tool_names)
     by_id = {s.id: s for s in samples}
 
-    # The rollout's contexts carry the trajectory's sample (`ToolContext.sample`) where it
-    # passes it; here the test puts it in.
-    class WithSample(ToolContext):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            if self.sample is None:
-                self.sample = by_id.get(self.sample_id)
-
-    monkeypatch.setattr(environments, "ToolContext", WithSample)
     processor = tiny_policy.processor
     shown: list = []
     template = processor.apply_chat_template

@@ -273,6 +273,7 @@ def _run_tools(rows: list[_Row], pending: list[tuple[int, Any]], limits: Any) ->
                 sample_id=row.sample.id,
                 state=row.state,
                 tools=list(row.sample.agent.tools),
+                sample=row.sample,
             )
         )
     results = run_tool_batches([(parsed.calls, c) for (_, parsed), c in zip(pending, contexts)], limits)
