@@ -51,6 +51,20 @@ def tiny_policy() -> Policy:
     return make_policy(build_tiny_vlm(spec, seed=0), build_processor(spec))
 
 
+def bias_stop_token(policy: Policy, bias: float = 5.6) -> Policy:
+    """The policy with an LM head bias on its stop token (in place): at 5.6 about half of a random
+    tiny model's draws are the stop token, so its turns end within a few tokens (multi-turn
+    tests); at 50 every greedy turn is the stop token alone."""
+    old = policy.model.lm_head
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+        head.bias.zero_()
+        head.bias[policy.stop_token_ids[0]] = bias
+    policy.model.lm_head = head
+    return policy
+
+
 _THREADS = 0  # torch's thread count for every test; set in pytest_configure
 
 

@@ -21,6 +21,7 @@ from mmrl.rollout.multiturn import generate_trajectories
 from mmrl.train import grpo
 from mmrl.train.data import PromptSampler
 from mmrl.types import AgentSpec, RolloutBatch, Trajectory, VerifyContext
+from tests.conftest import bias_stop_token
 
 BASE = [
     "trainer.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8",
@@ -54,15 +55,7 @@ def _policy(multiturn: bool = False):
     tests/test_multiturn.py does)."""
     spec = TinyVLMSpec()
     policy = make_policy(build_tiny_vlm(spec, seed=0), build_processor(spec))
-    if multiturn:
-        old = policy.model.lm_head
-        head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
-        with torch.no_grad():
-            head.weight.copy_(old.weight)
-            head.bias.zero_()
-            head.bias[policy.stop_token_ids[0]] = 5.6
-        policy.model.lm_head = head
-    return policy
+    return bias_stop_token(policy) if multiturn else policy
 
 
 def _steps(cfg, t, samples, n: int) -> list[dict[str, float]]:

@@ -20,6 +20,7 @@ from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
 from mmrl.rollout.multiturn import generate_trajectories, shape_results, trajectory_metrics
 from mmrl.train.forward import response_logprobs
 from mmrl.types import AgentSpec, EnvSpec, RewardSpec, VerifierResult
+from tests.conftest import bias_stop_token
 from tests.plugins.user_gym_env import UserCorridor
 
 
@@ -27,15 +28,7 @@ from tests.plugins.user_gym_env import UserCorridor
 def tiny_policy(tiny_policy):
     """The random tiny Qwen2-VL with an LM head bias that makes its stop token likely, so that
     its turns end on their stop token within a few tokens (as in tests/test_multiturn.py)."""
-    model = tiny_policy.model
-    old = model.lm_head
-    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(old.weight)
-        head.bias.zero_()
-        head.bias[tiny_policy.stop_token_ids[0]] = 5.6
-    model.lm_head = head
-    return tiny_policy
+    return bias_stop_token(tiny_policy)
 
 
 class Crashing(UserCorridor):

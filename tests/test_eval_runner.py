@@ -334,10 +334,9 @@ def test_mmrl_eval_with_tools_runs_trajectories_and_reports_turn_and_tool_figure
     reads as a zoom_in call, `eval_always_zoom`, so the tool really runs each turn), scored on
     its last turn; results, records and the console carry the same turn and tool figures as the
     trainer's `agent/*` metrics, and a re-run resumes without generating."""
-    import torch
-
     import mmrl.models.loading as loading
     from mmrl.environments import ParsedTurn, ToolCall, call_format_names, register_call_format
+    from tests.conftest import bias_stop_token
 
     # (its own name: tests/plugins/multiturn_formats.py's may be imported under another module
     # name by a Ray test in the same process, and a name registers once)
@@ -351,15 +350,7 @@ def test_mmrl_eval_with_tools_runs_trajectories_and_reports_turn_and_tool_figure
     real_load = loading.load_inference_policy
 
     def load_biased(path, *args, **kwargs):
-        policy = real_load(path, *args, **kwargs)
-        old = policy.model.lm_head
-        head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
-        with torch.no_grad():
-            head.weight.copy_(old.weight)
-            head.bias.zero_()
-            head.bias[policy.stop_token_ids[0]] = 50.0
-        policy.model.lm_head = head
-        return policy
+        return bias_stop_token(real_load(path, *args, **kwargs), 50.0)
 
     monkeypatch.setattr(loading, "load_inference_policy", load_biased)
     suite = write_builtin_suite(tmp_path / "builtin", queries_per_task=2)

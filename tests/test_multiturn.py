@@ -19,6 +19,7 @@ from mmrl.rollout.multiturn import generate_trajectories, trajectory_metrics
 from mmrl.train.batching import select_rows
 from mmrl.train.forward import output_head, response_logprobs
 from mmrl.types import AgentSpec
+from tests.conftest import bias_stop_token
 
 
 @register_call_format("always_zoom")
@@ -37,15 +38,7 @@ def _never(text: str) -> ParsedTurn:
 def tiny_policy(tiny_policy):
     """The random tiny Qwen2-VL with an LM head bias that makes its stop token likely (about half
     of the draws), so that its turns end on their stop token within a few tokens."""
-    model = tiny_policy.model
-    old = model.lm_head
-    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(old.weight)
-        head.bias.zero_()
-        head.bias[tiny_policy.stop_token_ids[0]] = 5.6
-    model.lm_head = head
-    return tiny_policy
+    return bias_stop_token(tiny_policy)
 
 
 def _tool_samples(n: int, tools: bool = True, **limits):

@@ -11,7 +11,6 @@ import asyncio
 from collections import Counter
 
 import pytest
-import torch
 from PIL import Image
 
 from mmrl.config import AgentConfig
@@ -30,6 +29,7 @@ from mmrl.environments.executor import release_all
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams
 from mmrl.rollout.multiturn import generate_trajectories, shape_results
 from mmrl.types import AgentSpec, RewardSpec, Sample, VerifierResult
+from tests.conftest import bias_stop_token
 
 
 class GuessGame:
@@ -92,15 +92,7 @@ def game():
 def tiny_policy(tiny_policy):
     """The random tiny Qwen2-VL with its stop token likely (as in test_multiturn), so that its
     turns end within a few tokens."""
-    model = tiny_policy.model
-    old = model.lm_head
-    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(old.weight)
-        head.bias.zero_()
-        head.bias[tiny_policy.stop_token_ids[0]] = 5.6
-    model.lm_head = head
-    return tiny_policy
+    return bias_stop_token(tiny_policy)
 
 
 def _samples(tools: list[str]) -> list[Sample]:
