@@ -136,13 +136,11 @@ def generate_trajectories(
     )
     rows = [_start_row(first, r, agent) for r in range(len(first))]
     if sessions is not None:
-        for row, session, failed in zip(rows, sessions.rows, sessions.failed):
-            row.session = session
-            if session is not None:
-                row.info.env_id = row.sample.agent.env.id
-            if failed is not None:  # its reset failed: the trajectory is its first turn, scored as is
-                row.info.env_errors[failed] = 1
-                row.end(failed)
+        for row, failed in sessions.attach(rows):
+            row.info.env_errors[failed] = (
+                1  # its reset failed: the trajectory is its first turn, scored as is
+            )
+            row.end(failed)
     remember_prompt_images(first, rows, seen)
     limits = _limits(agent)
     for r, row in enumerate(rows):
@@ -299,6 +297,18 @@ class _Sessions:
     rows: list[Any]
     samples: list[Sample]
     failed: list[str | None]
+
+    def attach(self, rows: list[_Row]) -> list[tuple[_Row, str]]:
+        """Give each row its session (and its trajectory the env's id); returns the rows whose
+        reset failed, with the error kind."""
+        failed = []
+        for row, session, error in zip(rows, self.rows, self.failed):
+            row.session = session
+            if session is not None:
+                row.info.env_id = row.sample.agent.env.id
+            if error is not None:
+                failed.append((row, error))
+        return failed
 
     def close(self) -> None:
         for session in self.rows:
@@ -728,12 +738,10 @@ def demonstration_batch(
     limits = _limits(agent)
     rows = [_start_row(first, r, agent) for r in range(len(samples))]
     if sessions is not None:
-        for row, session, failed in zip(rows, sessions.rows, sessions.failed):
-            if failed is not None:
-                raise ValueError(f"sample {row.sample.id}: its environment's reset failed ({failed})")
-            row.session = session
-            if session is not None:
-                row.info.env_id = row.sample.agent.env.id
+        failed = sessions.attach(rows)
+        if failed:
+            row, error = failed[0]
+            raise ValueError(f"sample {row.sample.id}: its environment's reset failed ({error})")
     tokenizer = processor.tokenizer
     depth = max(len(t) for t in turns)
     for k in range(depth):
