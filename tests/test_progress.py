@@ -48,21 +48,20 @@ def test_a_large_models_checkpoint_shows_its_parts_on_a_terminal(tmp_path, monke
 def test_the_held_out_evaluation_counts_its_responses_and_stops_between_two(tiny_policy, monkeypatch):
     import io
 
-    import tqdm
-
+    import mmrl.progress
     from mmrl.datasets.procedural import make_samples
     from mmrl.rollout.hf import HFRolloutEngine
     from mmrl.router import Router
     from mmrl.train.evaluation import EvaluationInterrupted, run_evaluation
 
     bars = []
-    real = tqdm.tqdm
+    real = mmrl.progress.ProgressBar
 
     def spy(*args, **kwargs):
         bars.append(real(*args, **{**kwargs, "file": io.StringIO()}))
         return bars[-1]
 
-    monkeypatch.setattr(tqdm, "tqdm", spy)
+    monkeypatch.setattr(mmrl.progress, "ProgressBar", spy)
     engine = HFRolloutEngine.from_policy(tiny_policy)
     router = Router(0, 5.0, [])
     samples = make_samples(["colour_code"], 6, "heldout")

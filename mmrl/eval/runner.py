@@ -367,8 +367,7 @@ def _run_suite(
     judge: Judge | None,
     model_id: str | None,
 ) -> EvalResult:
-    from tqdm import tqdm
-
+    from mmrl.progress import ProgressBar
     from mmrl.rollout.hf import SamplingParams
 
     cfg = cfg or EvalConfig()
@@ -455,7 +454,9 @@ def _run_suite(
         call_format=cfg.call_format,
     )
     total = len(to_generate) + len(to_score)
-    with tqdm(total=total, desc="eval", disable=not cfg.progress or total == 0, dynamic_ncols=True) as bar:
+    with ProgressBar(
+        total=total, desc="eval", disable=not cfg.progress or total == 0, dynamic_ncols=True
+    ) as bar:
         for task, q, pk, sk, rec in to_score:
             record(task, q, pk, sk, rec["response"], rec.get("agent"))
             bar.update(1)

@@ -143,7 +143,7 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
     """Supervised warm-up of a random tiny model on the task's answers (see module docs), with a
     progress bar (`trainer.progress`). Ctrl-C stops it (`KeyboardInterrupt`, its verifier
     workers closed); nothing is cached, so the next run starts the warm-up again."""
-    from tqdm import tqdm
+    from mmrl.progress import ProgressBar
 
     wcfg = cfg.model.warmup
     torch.manual_seed(wcfg.seed)
@@ -158,7 +158,7 @@ def warm_up(cfg: Config) -> tuple[Policy, dict]:
     rng = np.random.default_rng(wcfg.seed)
     start = time.monotonic()
     router = Router(cfg.reward.num_workers, cfg.reward.time_limit_s, cfg.reward.plugins)
-    bar = tqdm(
+    bar = ProgressBar(
         total=wcfg.max_steps,
         desc=f"warm-up of the built-in base (one-time; stops at {wcfg.target_accuracy:.0%} validation accuracy)",
         unit="step",

@@ -39,7 +39,7 @@ def cached_base(path: Path, what: str, warm_up: Callable[[], tuple[SaveFn, dict]
     with FileLock(str(path) + ".lock"):
         if (path / "warmup.json").exists():
             return path  # another process built it while this one waited
-        log.info("building %s (one-time warm-up) in %s", what, path)
+        log.info("building %s once, in %s (later runs load it from there)", what, path)
         from mmrl.train.checkpoint import rng_state, set_rng_state
 
         state = rng_state()

@@ -100,8 +100,10 @@ def builtin_image_base(
     cache_dir: str | None = None,
     device: str | torch.device = "cpu",
     max_sequence_length: int = 8,
+    progress: bool = True,
 ) -> Path:
-    """Path of the built-in image base, warming it up (on `device`) first if it is not cached."""
+    """Path of the built-in image base, warming it up (on `device`, with a progress bar unless
+    `progress` is off) first if it is not cached."""
     path = (
         cache_root(cache_dir)
         / "bases"
@@ -109,7 +111,7 @@ def builtin_image_base(
     )
 
     def build():
-        pipe, report = warm_up_image_base(spec, warmup, device, max_sequence_length)
+        pipe, report = warm_up_image_base(spec, warmup, device, max_sequence_length, progress)
         return (lambda folder: pipe.to("cpu").save_pretrained(folder)), report
 
     return cached_base(path, "the built-in image base (flow-matching warm-up)", build)
@@ -147,9 +149,12 @@ def warm_up_image_base(
     w: ImageWarmupConfig,
     device: str | torch.device = "cpu",
     max_sequence_length: int = 8,
+    progress: bool = False,
 ):
-    """The warm-up of the module docs; returns (pipeline in eval mode, report)."""
+    """The warm-up of the module docs, with a progress bar of its steps and an ETA to
+    `max_steps` (`progress`); returns (pipeline in eval mode, report)."""
     from mmrl.datasets.geneval import KINDS, draw, geneval_prompts, parse_prompt
+    from mmrl.progress import ProgressBar
     from mmrl.rollout.diffusion import FlowSampler
     from mmrl.verifiers.geneval import prompt_following
 
@@ -200,44 +205,57 @@ def warm_up_image_base(
     step = 0
     for m in (transformer, *encoders):
         m.train()
-    for step in range(1, w.max_steps + 1):
-        # 1. A batch of drawings of training prompts (kinds equally likely).
-        picked = rng.choice(len(kinds), size=w.batch_size)
-        prompts = [train[kinds[k]][rng.integers(len(train[kinds[k]]))] for k in picked]
-        images = np.stack(
-            [np.asarray(draw(parse_prompt(p), rng, spec.resolution, w.object_scale)) for p in prompts]
-        )
-        latents = drawings_to_latents(pipe, images, device)
-        shown = ["" if rng.random() < w.cond_dropout else p for p in prompts]
-        # 2. Rectified-flow loss at logit-normal sigmas, shifted as the scheduler shifts.
-        embeds, _, pooled, _ = pipe.encode_prompt(
-            prompt=shown,
-            prompt_2=None,
-            prompt_3=None,
-            device=device,
-            do_classifier_free_guidance=False,
-            max_sequence_length=max_sequence_length,
-        )
-        u = torch.sigmoid(torch.randn(w.batch_size, generator=gen)).to(device)
-        sigmas = shift * u / (1 + (shift - 1) * u)
-        noise = torch.randn(latents.shape, generator=gen).to(device)
-        loss = flow_matching_loss(transformer, latents, (embeds, pooled), sigmas, noise)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        ema.update()
-        # 3. Validation with the ODE sampler; stop once the target is reached.
-        if step % w.eval_every == 0 or step == w.max_steps:
-            metrics = evaluate()
-            history.append({"step": step, "loss": round(loss.item(), 5), **metrics})
-            log.info(
-                "image warm-up step %d: loss %.4f, validation accuracy %.3f (score %.3f), %.0fs",
-                step, loss.item(), metrics["accuracy"], metrics["score"], time.monotonic() - start,
-            )  # fmt: skip
-            if metrics["accuracy"] >= w.target_accuracy:
-                reached = True
-                break
+    bar = ProgressBar(
+        total=w.max_steps,
+        desc=f"warm-up of the built-in image base (stops at {w.target_accuracy:.0%} validation accuracy)",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    try:
+        for step in range(1, w.max_steps + 1):
+            # 1. A batch of drawings of training prompts (kinds equally likely).
+            picked = rng.choice(len(kinds), size=w.batch_size)
+            prompts = [train[kinds[k]][rng.integers(len(train[kinds[k]]))] for k in picked]
+            images = np.stack(
+                [np.asarray(draw(parse_prompt(p), rng, spec.resolution, w.object_scale)) for p in prompts]
+            )
+            latents = drawings_to_latents(pipe, images, device)
+            shown = ["" if rng.random() < w.cond_dropout else p for p in prompts]
+            # 2. Rectified-flow loss at logit-normal sigmas, shifted as the scheduler shifts.
+            embeds, _, pooled, _ = pipe.encode_prompt(
+                prompt=shown,
+                prompt_2=None,
+                prompt_3=None,
+                device=device,
+                do_classifier_free_guidance=False,
+                max_sequence_length=max_sequence_length,
+            )
+            u = torch.sigmoid(torch.randn(w.batch_size, generator=gen)).to(device)
+            sigmas = shift * u / (1 + (shift - 1) * u)
+            noise = torch.randn(latents.shape, generator=gen).to(device)
+            loss = flow_matching_loss(transformer, latents, (embeds, pooled), sigmas, noise)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            ema.update()
+            bar.update(1)
+            # 3. Validation with the ODE sampler; stop once the target is reached.
+            if step % w.eval_every == 0 or step == w.max_steps:
+                metrics = evaluate()
+                history.append({"step": step, "loss": round(loss.item(), 5), **metrics})
+                level = logging.INFO if bar.disable else logging.DEBUG  # the bar shows them otherwise
+                log.log(
+                    level, "image warm-up step %d: loss %.4f, validation accuracy %.3f (score %.3f), %.0fs",
+                    step, loss.item(), metrics["accuracy"], metrics["score"], time.monotonic() - start,
+                )  # fmt: skip
+                bar.set_postfix(loss=f"{loss.item():.4f}", acc=f"{metrics['accuracy']:.3f}")
+                if metrics["accuracy"] >= w.target_accuracy:
+                    reached = True
+                    break
+    finally:
+        bar.close()
     with torch.no_grad():  # the base is the EMA weights (the ones evaluated)
         for average, p in zip(ema.shadow, params):
             p.copy_(average)

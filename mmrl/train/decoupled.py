@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from mmrl.models.planner import PlanBatch, Planner, builtin_planner, load_planner, plan_accuracy
+from mmrl.progress import ProgressBar
 from mmrl.train.flow_checkpoint import (
     FlowProgress,
     _Weights,
@@ -554,7 +554,9 @@ def _run_decoupled(cfg: DecoupledConfig) -> FlowTrainResult:
         with stop.installed():
             if checkpoint is None:
                 p.start_reward = p.best_reward = p.final_reward = run_eval(0)
-            bar = tqdm(range(p.step + 1, total + 1), desc="decoupled", disable=not cfg.trainer.progress)
+            bar = ProgressBar(
+                range(p.step + 1, total + 1), desc="decoupled", disable=not cfg.trainer.progress
+            )
             for step in bar:
                 reqs = train_reqs.take(order.next(cfg.trainer.prompts_per_step))
                 metrics = decoupled_step(cfg, t, pt, reqs, step)

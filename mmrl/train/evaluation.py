@@ -64,14 +64,25 @@ def run_evaluation(
     responses once `should_stop()` is true (`EvaluationInterrupted`), and the rows of the first
     `generations` samples. Samples that name tools run the multi-turn loop with `agent` (the
     config's defaults if None), and the `eval/agent/...` metrics report its turns and tool use."""
-    from tqdm import tqdm
-
+    from mmrl.progress import ProgressBar
     from mmrl.rollout.multiturn import generate_trajectories, shape_results, trajectory_metrics
 
-    bar = tqdm(total=len(samples), desc="held-out eval", unit="resp", disable=not progress, leave=False)
+    bar = ProgressBar(
+        total=len(samples), desc="held-out eval", unit="resp", disable=not progress, leave=False
+    )
+    # The HF engine generates `max_batch_rows` rows at once, and their responses finish together
+    # near the chunk's end: the bar counts them a chunk at a time. Counted one by one, the first
+    # response, which carries its chunk's whole prefill, gave the bar its rate, and an ETA of
+    # (responses left) x (that time): hours for an evaluation of seconds.
+    rows = getattr(engine, "max_batch_rows", None)
+    burst = max(1, min(rows, len(samples))) if isinstance(rows, int) else 1
+    done, shown = [0], [0]
 
     def finished(row: int, text: str) -> None:
-        bar.update(1)
+        done[0] += 1
+        if done[0] - shown[0] >= burst or done[0] == len(samples):
+            bar.update(done[0] - shown[0])
+            shown[0] = done[0]
         if should_stop is not None and should_stop():
             raise EvaluationInterrupted()
 

@@ -41,12 +41,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from mmrl.algos.sde import clipped_step_loss, flow_grpo_advantages, mean_kl
 from mmrl.models.precision import Precision, adamw, place, precision_from
 from mmrl.models.saving import skip_unused_deepspeed_probe
 from mmrl.models.tiny_diffusion import builtin_pipeline_path, load_flow_pipeline
+from mmrl.progress import ProgressBar
 from mmrl.rollout.diffusion import FlowSampler, Trajectory, choose_sde_steps
 from mmrl.train.ema import EMA
 from mmrl.train.flow_checkpoint import (
@@ -291,7 +291,7 @@ def _run_text_to_image(cfg: FlowConfig) -> FlowTrainResult:
         with stop.installed():
             if checkpoint is None:
                 p.start_reward = p.best_reward = p.final_reward = run_eval(0)
-            bar = tqdm(
+            bar = ProgressBar(
                 range(p.step + 1, total + 1),
                 desc="flow-GRPO",
                 disable=not cfg.trainer.progress,
@@ -361,7 +361,9 @@ def flow_model_path(cfg: FlowConfig, device: str | torch.device = "cpu") -> Path
         from mmrl.models.image_base import builtin_image_base
 
         msl = cfg.model.max_sequence_length or 8
-        return builtin_image_base(cfg.model.tiny, cfg.model.warmup, cfg.model.cache_dir, device, msl)
+        return builtin_image_base(
+            cfg.model.tiny, cfg.model.warmup, cfg.model.cache_dir, device, msl, progress=cfg.trainer.progress
+        )
     return builtin_pipeline_path(cfg.model.tiny, cfg.model.seed, cfg.model.cache_dir)
 
 
