@@ -65,6 +65,39 @@ def bias_stop_token(policy: Policy, bias: float = 5.6) -> Policy:
     return policy
 
 
+def same_state(a, b, where: str = "") -> None:
+    """Nested training states equal bit for bit (tensors with torch.equal and the same dtype,
+    NumPy arrays by bytes, the rest with ==)."""
+    import numpy as np
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert a.tobytes() == b.tobytes(), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def same_checkpoint_state(a, b, where: str = "") -> None:
+    """Two checkpoint folders' training states equal bit for bit: `trainer_state.pt`, and the
+    sharded weights and optimizer state where they have them (`mmrl.train.sharded`)."""
+    from mmrl.train.checkpoint import load_trainer_state
+    from mmrl.train.sharded import SHARDED, read_sharded
+
+    same_state(load_trainer_state(a), load_trainer_state(b), where)
+    assert (a / SHARDED).is_dir() == (b / SHARDED).is_dir(), where
+    if (a / SHARDED).is_dir():
+        same_state(read_sharded(a / SHARDED), read_sharded(b / SHARDED), f"{where}/{SHARDED}")
+
+
 _THREADS = 0  # torch's thread count for every test; set in pytest_configure
 
 

@@ -6,8 +6,10 @@ with `trainer.ray_address` as on a real cluster.
   (adapters synced to the rollout worker) and a model reward scored in a reward worker.
 - A driver SIGKILLed at three points (inside a step after the group's update, right after a
   checkpoint, while writing one) resumes with `--resume auto` to metrics and checkpoints equal
-  bit for bit to an uninterrupted run's (weights, the group's optimizer state, the rollout
-  worker's and the driver's random generators).
+  bit for bit to an uninterrupted run's (weights, the group's sharded optimizer state, the
+  rollout worker's and the driver's random generators); its last resume runs the group on one
+  training process instead of two, from the two processes' shards, and its last step equals the
+  uninterrupted run's within float32 rounding.
 
 The cluster is shared by the module's tests; each driver is a separate `mmrl train` process.
 """
@@ -30,7 +32,9 @@ import torch
 
 pytest.importorskip("ray")
 
-from mmrl.train.checkpoint import list_checkpoints, load_trainer_state  # noqa: E402
+from mmrl.train.checkpoint import list_checkpoints  # noqa: E402
+from mmrl.train.sharded import read_sharded  # noqa: E402
+from tests.conftest import same_checkpoint_state  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -208,22 +212,6 @@ def _metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
-def _equal(a, b, where: str = "") -> None:
-    """Nested dicts / lists / tensors equal bit for bit."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert str(a) == str(b), where  # numpy RNG states are arrays: compared as text
-
-
 def _assert_same_checkpoint(a: Path, b: Path) -> None:
     from safetensors.torch import load_file
 
@@ -231,14 +219,14 @@ def _assert_same_checkpoint(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys() and wa
     for key in wa:
         assert torch.equal(wa[key], wb[key]), f"weight {key} differs"
-    sa, sb = load_trainer_state(a), load_trainer_state(b)
-    # The group's optimizer state (gathered), the schedule, the sampler, the counters, the
-    # driver's and the rollout worker's random generators.
-    for key in ("optimizer", "scheduler", "sampler", "progress", "rollout_rng", "rng", "step"):
-        _equal(sa[key], sb[key], key)
+    # The schedule, the sampler, the counters, the driver's and the rollout worker's random
+    # generators; the group's weights and optimizer state (sharded, each process's own).
+    same_checkpoint_state(a, b, a.name)
 
 
-def test_a_ray_run_resumes_exactly_after_sigkill_at_three_points(cluster, model_dir, tmp_path):
+def test_a_ray_run_resumes_exactly_after_sigkill_at_three_points_then_on_one_training_process(
+    cluster, model_dir, tmp_path
+):
     args = [
         f"model.path={model_dir}",
         f"trainer.ray_address={cluster}",
@@ -281,16 +269,36 @@ def test_a_ray_run_resumes_exactly_after_sigkill_at_three_points(cluster, model_
     assert "step_00000002" in third.stderr
     assert [c.step for c in list_checkpoints(run)] == [1, 2]
     assert list((run / "checkpoints").glob(".tmp_step_00000003_*"))
-    # 4. Resumed to the end: the leftover is removed, step 3 is computed again.
-    last = _train(["--resume", "auto", *args])
+    # 4. Resumed to the end on ONE training process instead of two: it reads both processes'
+    #    shards of checkpoint 2 (weights and optimizer state); the leftover is removed and step 3
+    #    is computed again.
+    last = _train(["--resume", "auto", *args, "trainer.train_workers=1"])
     assert last.returncode == 0, last.stderr[-3000:]
+    assert "trainer.train_workers changed: 2 -> 1" in last.stderr
     assert [c.step for c in list_checkpoints(run)] == [1, 2, 3]
 
-    assert _metrics(run) == _metrics(tmp_path / "whole")  # no line lost, none repeated, same values
-    assert [r["step"] for r in _metrics(run) if "reward/mean" in r] == [1, 2, 3]
-    for step in (2, 3):
-        ckpt = f"checkpoints/step_{step:08d}"
-        _assert_same_checkpoint(run / ckpt, tmp_path / "whole" / ckpt)
+    got, want = _metrics(run), _metrics(tmp_path / "whole")
+    assert [r["step"] for r in got] == [r["step"] for r in want]  # no line lost, none repeated
+    assert [r for r in got if r["step"] < 3] == [r for r in want if r["step"] < 3]  # bit for bit
+    assert [r["step"] for r in got if "reward/mean" in r] == [1, 2, 3]
+    # Step 3 on one process (its update and evaluation): the same rollouts (the rollout worker's
+    # weights and generator were restored exactly), and the loss, KL, gradient norm and everything
+    # after them within float32 rounding of the two processes' (their sums run in another order).
+    for a, b in zip(got, want):
+        if a["step"] == 3:
+            assert a.keys() == b.keys()
+            for key, value in b.items():
+                assert a[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    _assert_same_checkpoint(run / "checkpoints/step_00000002", tmp_path / "whole/checkpoints/step_00000002")
+    a, b = run / "checkpoints/step_00000003", tmp_path / "whole/checkpoints/step_00000003"
+    sa, sb = read_sharded(a / "sharded"), read_sharded(b / "sharded")
+    assert sa["optimizer"]["state"].keys() == sb["optimizer"]["state"].keys() and sa["model"]
+    for name, weight in sb["model"].items():
+        torch.testing.assert_close(sa["model"][name], weight, rtol=0, atol=1e-6, msg=name)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            want_m = sb["optimizer"]["state"][name][moment]
+            torch.testing.assert_close(sa["optimizer"]["state"][name][moment], want_m, rtol=1e-3,
+                                       atol=1e-3 * float(want_m.abs().max()) + 1e-12, msg=f"{name} {moment}")  # fmt: skip
 
 
 def test_a_lora_run_with_a_model_reward_trains_across_two_nodes(cluster, model_dir, tmp_path):

@@ -20,6 +20,7 @@ from mmrl.datasets.procedural import make_samples
 from mmrl.datasets.readers import write_jsonl
 from mmrl.train.checkpoint import find_resume_checkpoint, list_checkpoints
 from mmrl.train.grpo import train
+from tests.conftest import same_checkpoint_state
 
 pytestmark = pytest.mark.slow
 
@@ -242,33 +243,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _same(a, b, where: str = "") -> None:
-    """Nested trainer states equal bit for bit (tensors with torch.equal, arrays by bytes)."""
-    import numpy as np
-
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, np.ndarray):
-        assert a.tobytes() == b.tobytes(), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def test_sigint_during_a_checkpoint_write_then_resume_is_bit_exact(mmrl_cache, tmp_path):
     # Issue 36, point 9: Ctrl-C while checkpoint 2 is being written: the write finishes, the run
     # stops there cleanly, and --resume auto ends with the metrics, weights, optimizer and RNG
     # states of the uninterrupted run, bit for bit.
     from safetensors.torch import load_file
 
-    from mmrl.train.checkpoint import load_trainer_state, verify_checkpoint
+    from mmrl.train.checkpoint import verify_checkpoint
 
     args = [*SHORT, "trainer.total_steps=4", "trainer.checkpoint_every=2", "trainer.keep_last=0"]
     whole = _cli(*args, f"trainer.run_dir={tmp_path / 'whole'}")
@@ -298,7 +279,7 @@ def test_sigint_during_a_checkpoint_write_then_resume_is_bit_exact(mmrl_cache, t
         assert wa.keys() == wb.keys() and wa
         for key in wa:
             assert torch.equal(wa[key], wb[key]), f"{step}: {key} differs"
-        _same(load_trainer_state(a), load_trainer_state(b), step)
+        same_checkpoint_state(a, b, step)
 
 
 def test_a_multi_turn_run_killed_inside_a_step_resumes_exactly(tmp_path, monkeypatch):

@@ -43,6 +43,21 @@ def lora_sync(cfg: Config) -> str | None:
     return "adapters" if cfg.rollout.engine == "hf" else "merged"
 
 
+def host_memory(reset_peak: bool = False) -> dict[str, int]:
+    """The calling process's resident set (`rss`) and its high-water mark (`peak`), in bytes,
+    from `/proc/self/status`; `reset_peak`: start the mark over first (`/proc/self/clear_refs`)."""
+    from pathlib import Path
+
+    if reset_peak:
+        Path("/proc/self/clear_refs").write_text("5")
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024  # kB
+    return {"rss": fields["VmRSS"], "peak": fields["VmHWM"]}
+
+
 class RolloutWorker:
     """A rollout engine with its own copy of the policy."""
 
@@ -101,6 +116,11 @@ class RolloutWorker:
 
         return rng_state()
 
+    def seed(self, seed: int) -> None:
+        from mmrl.train.grpo import seed_everything
+
+        seed_everything(seed)
+
     def set_rng_state(self, state: dict[str, Any]) -> None:
         from mmrl.train.checkpoint import set_rng_state
 
@@ -147,6 +167,12 @@ class TrainWorker:
 
     def call(self, method: str, *args):
         return getattr(self.learner, method)(*args)
+
+    def host_memory(self, reset_peak: bool = False) -> dict[str, int]:
+        """This process's resident set and its high-water mark, in bytes (Linux `/proc`);
+        `reset_peak` starts the mark over from the current resident set first (for measuring
+        what one call costs, `benchmarks/checkpoint_scale.py`)."""
+        return host_memory(reset_peak)
 
     def node(self) -> str:
         return ray_module().get_runtime_context().get_node_id()

@@ -482,6 +482,11 @@ class DeepSpeedLearner(GroupLearner):
     def trainable_names(self) -> set[str]:
         return {name for name, _ in _trainable(self.engine)}
 
+    def save_sharded(self, folder: str) -> None:
+        raise NotImplementedError("a DeepSpeed group's optimizer state is gathered into trainer_state.pt")
+
+    load_sharded = save_sharded
+
     def optimizer_state_dict(self) -> dict | None:
         return consolidated_optimizer_state(self.engine, self.rank)
 

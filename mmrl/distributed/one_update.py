@@ -14,6 +14,11 @@ log-probs of its rows with the current weights, the group exchanges them, then r
 weights by name) sets the trained parameters first (`GroupLearner.load_state`), e.g. to the
 single-process trainer's LoRA adapters. Several `--config` / `--out` pairs run one after the
 other in the same processes (the DeepSpeed tests' updates share one launch).
+
+Sharded checkpoints (FSDP2, `mmrl.train.sharded`), one option per `--config` when given:
+`--save-after K:DIR` writes the group's sharded training state into DIR after step K (every
+process its own shards); `--load K:DIR` starts from the state in DIR, written after step K by any
+number of processes (or by the single-process trainer), and applies the steps after K only.
 """
 
 from __future__ import annotations
@@ -39,9 +44,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, action="append", help="where rank 0 writes the result")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    parser.add_argument("--save-after", action="append",
+                        help="K:DIR, one per --config (- for none): write the sharded state after step K")  # fmt: skip
+    parser.add_argument("--load", action="append",
+                        help="K:DIR, one per --config (- for none): start from the sharded state of step K")  # fmt: skip
     args = parser.parse_args(argv)
     if len(args.config) != len(args.out):
         parser.error(f"{len(args.config)} --config but {len(args.out)} --out: give one --out per --config")
+    for name in ("save_after", "load"):
+        given = getattr(args, name)
+        if given is not None and len(given) != len(args.config):
+            parser.error(
+                f"{len(given)} --{name.replace('_', '-')} for {len(args.config)} --config: one each (- for none)"
+            )
+        setattr(args, name, [_step_and_dir(x) for x in given] if given else [None] * len(args.config))
 
     with imports_without_gc():  # torch, transformers and the strategies' libraries (mmrl.heap)
         import torch
@@ -57,10 +73,28 @@ def main(argv: list[str] | None = None) -> None:
         learner = cls.from_env(cfg, args.model, threads=args.threads, dtype=getattr(torch, args.dtype))
         if init is not None:
             learner.load_state(init, None, 0)
-        results = [one_update(learner, step) for step in steps]
+        first = 0
+        if args.load[i] is not None:
+            first, folder = args.load[i]
+            learner.load_sharded(folder, first)
+        results = []
+        for k, step in enumerate(steps[first:], start=first + 1):
+            results.append(one_update(learner, step))
+            if args.save_after[i] is not None and args.save_after[i][0] == k:
+                learner.save_sharded(args.save_after[i][1])
         if learner.rank == 0:
             torch.save({"steps": results, **results[-1]}, out)
         learner.close(end_group=i == len(args.config) - 1)
+
+
+def _step_and_dir(value: str) -> tuple[int, str] | None:
+    """`K:DIR` -> (K, DIR); `-` -> None."""
+    if value == "-":
+        return None
+    step, _, folder = value.partition(":")
+    if not step.isdigit() or not folder:
+        raise SystemExit(f"expected K:DIR or -, got {value!r}")
+    return int(step), folder
 
 
 def one_update(learner, step: dict) -> dict | None:

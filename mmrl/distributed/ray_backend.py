@@ -158,6 +158,10 @@ class RolloutPool:
     def rng_states(self) -> list[dict[str, Any]]:
         return _get(self.ray, [w.rng_state.remote() for w in self.workers], self.names)
 
+    def seed_workers(self, base: int) -> None:
+        """Seed worker k's generators with `base + k` (a resume that has no state for them)."""
+        _get(self.ray, [w.seed.remote(base + k) for k, w in enumerate(self.workers)], self.names)
+
     def set_rng_states(self, states: list[dict[str, Any]]) -> None:
         if len(states) != len(self.workers):
             raise ValueError(f"the checkpoint holds {len(states)} rollout workers' generators, the run has "
@@ -399,6 +403,14 @@ class RayTrainingGroup:
     def optimizer_state_dict(self) -> dict:
         return self.call("optimizer_state_dict")[0]
 
+    def save_sharded(self, folder: Path) -> None:
+        """Every process writes its own shards into `folder` (a path all of them can reach)."""
+        self.call("save_sharded", str(folder))
+
+    def load_sharded(self, folder: Path, steps: int) -> None:
+        """Every process reads its own shards of `folder`, whatever number of processes wrote it."""
+        self.call("load_sharded", str(folder), steps)
+
     def load_state(self, weights: dict[str, torch.Tensor], optimizer: dict | None, steps: int) -> None:
         """Every process: the trained weights, the optimizer state, the schedule's position."""
         weights, optimizer = self.ray.put(weights), self.ray.put(optimizer)  # one copy for all
@@ -454,7 +466,27 @@ class RayTrainee(Trainee):
     cluster: RayCluster | None = None
     lora_sync: str | None = None
     """With LoRA: `adapters` or `merged` (`trainer.lora_sync`, `auto` resolved); None without."""
+    fsdp2: bool = True
+    """The group shards with FSDP2 (sharded checkpoints); False: DeepSpeed (gathered)."""
+    seed: int = 0
+    """`trainer.seed`: rollout workers that have no generator state in a checkpoint are seeded
+    from it and the step."""
     updates_while_scoring = False  # the group's update runs in other processes, in one call
+    _resume_from: Path | None = None  # a sharded checkpoint the group reads in `restore`
+
+    @property
+    def shards_state(self) -> bool:
+        return self.fsdp2
+
+    def save_sharded(self, folder: Path) -> None:
+        """Each training process writes its own shards; the driver's copy is not involved."""
+        self.group.save_sharded(folder)
+
+    def load_sharded(self, folder: Path) -> None:
+        """Read in `restore`, with the schedule's position (every process reads its own shards)."""
+        if not self.fsdp2:
+            super().load_sharded(folder)  # the refusal naming what cannot read it
+        self._resume_from = folder
 
     def old_and_ref_logprobs(self, cfg: Config, batch: RolloutBatch):
         return self.group.old_and_ref_logprobs(batch)
@@ -502,14 +534,30 @@ class RayTrainee(Trainee):
         return {"rollout_rng": self.engine.rng_states()}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """A resumed run: the group gets the checkpoint's trained weights (the driver's copy has
-        loaded them), optimizer state and schedule position; the rollout workers the weights and
-        their generators."""
-        weights = {n: p.detach() for n, p in self.policy.model.named_parameters() if p.requires_grad}
-        self.group.load_state(weights, self.optimizer.loaded, int(state["scheduler"]["last_epoch"]))
-        self.optimizer.loaded = None
+        """A resumed run: the group reads the checkpoint's trained weights and optimizer state
+        (sharded: each process its own shards, on any number of processes; DeepSpeed: the
+        driver's copy of the weights and the gathered optimizer state, sent to every process) and
+        the schedule's position; the rollout workers get the weights and their generators."""
+        steps = int(state["scheduler"]["last_epoch"])
+        if self._resume_from is not None:
+            self.group.load_sharded(self._resume_from, steps)
+            self._resume_from = None
+        else:
+            weights = {n: p.detach() for n, p in self.policy.model.named_parameters() if p.requires_grad}
+            self.group.load_state(weights, self.optimizer.loaded, steps)
+            self.optimizer.loaded = None
         self.push_weights()
-        self.engine.set_rng_states(state["rollout_rng"])
+        saved = state.get("rollout_rng")  # None: written by the single-process trainer
+        if saved is not None and len(saved) == len(self.engine.workers):
+            self.engine.set_rng_states(saved)
+        else:
+            what = "none" if saved is None else f"{len(saved)} rollout workers'"
+            log.warning(
+                "the checkpoint holds %s sampling generators and the run has %d rollout workers: they are "
+                "seeded from trainer.seed and the step (the run goes on, not bit for bit as it would have)",
+                what, len(self.engine.workers),
+            )  # fmt: skip
+            self.engine.seed_workers(self.seed + 1 + 1000 * (steps + 1))
 
     def close(self) -> None:
         if self.cluster is not None:
@@ -647,6 +695,8 @@ def make_ray_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -
         group=group,
         cluster=cluster,
         lora_sync=lora_sync(cfg),
+        fsdp2=tr.strategy == "fsdp2",
+        seed=tr.seed,
     )
     try:
         if cfg.model.lora_rank > 0:  # the group drew the adapters: the driver and the workers take them

@@ -356,6 +356,21 @@ class GroupLearner:
             group["lr"] = lr
         sched._last_lr = lrs
 
+    def save_sharded(self, folder: str) -> None:
+        """This process's shards of the trained weights and optimizer state into `folder` (every
+        rank calls; `mmrl.train.sharded`): nothing is gathered."""
+        from mmrl.train.sharded import save_sharded
+
+        save_sharded(self.model, self.optimizer, folder)
+
+    def load_sharded(self, folder: str, steps: int) -> None:
+        """Resume from a sharded checkpoint written by any number of processes (every rank calls;
+        each reads its own shards), and the schedule as after `steps` scheduler steps."""
+        from mmrl.train.sharded import load_sharded
+
+        load_sharded(self.model, self.optimizer, folder)
+        self._set_schedule(steps)
+
     def optimizer_state_dict(self) -> dict | None:
         """The optimizer state gathered on rank 0, keyed by parameter name (None elsewhere)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

@@ -3,7 +3,10 @@
 A checkpoint is a folder `<run_dir>/checkpoints/step_<n>/` holding:
 
     model/              the policy in Hugging Face format (LoRA: the adapters) + processor
-    trainer_state.pt    optimizer, scheduler, RNG states (Python, NumPy, torch), the prompt
+    sharded/            the trained weights and the optimizer state, one shard per training
+                        process (torch DCP, `mmrl.train.sharded`): resumable on another number
+                        of processes (DeepSpeed groups and critic runs: in trainer_state.pt)
+    trainer_state.pt    optimizer (unless sharded), scheduler, RNG states (Python, NumPy, torch), the prompt
                         sampler's position, step counters and the evaluation trackers (and
                         with a critic, `algo.advantage=gae` / `turn_gae`, its value head)
     config.yaml         the resolved config
@@ -28,6 +31,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,12 +90,15 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     config_yaml: str,
     metric: float | None = None,
+    write_more: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically; returns its folder.
+    """Write checkpoint `step` atomically; returns its folder. `write_more(folder)` writes more
+    files into the (temporary) folder before the manifest lists them: the sharded training
+    state (`mmrl.train.sharded`).
 
     A failed write (full disk, read-only folder, ...) removes the temporary folder and raises
     `StorageError` naming the path and the cause; the checkpoints already there are untouched."""
-    from tqdm import tqdm
+    from mmrl.progress import ProgressBar
 
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:08d}"
@@ -99,7 +106,7 @@ def save_checkpoint(
     params = model.parameters() if hasattr(model, "parameters") else ()  # flow-GRPO saves a weights holder
     large = sum(p.numel() * p.element_size() for p in params) >= PROGRESS_MIN_BYTES
     # A large model's checkpoint takes minutes: a bar on a terminal (tqdm's None: only on a TTY).
-    bar = tqdm(
+    bar = ProgressBar(
         total=4, desc=f"checkpoint step {step}", unit="part", disable=None if large else True, leave=False
     )
     try:
@@ -113,6 +120,8 @@ def save_checkpoint(
             bar.set_postfix_str("trainer state")
             torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / STATE)
             (tmp / "config.yaml").write_text(config_yaml)
+            if write_more is not None:
+                write_more(tmp)
             bar.update(1)
             bar.set_postfix_str("checksums")
             files = {

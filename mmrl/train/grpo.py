@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from mmrl.algos.advantages import (
     GROUP_LOCAL,
@@ -53,6 +52,7 @@ from mmrl.models.base import builtin_base
 from mmrl.models.loading import Policy, load_policy
 from mmrl.models.precision import Precision, adamw, place, precision_from
 from mmrl.models.saving import skip_unused_deepspeed_probe
+from mmrl.progress import ProgressBar
 from mmrl.rewards.catalog import build_reward_models
 from mmrl.rewards.config import accelerator_device
 from mmrl.rewards.placement import RewardPlacement
@@ -85,6 +85,7 @@ from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
 from mmrl.train.rundir import create_run_dir, hold_run_dir, run_dir_path
 from mmrl.train.schedule import schedule_factor
+from mmrl.train.sharded import SHARDED, load_sharded, save_sharded
 from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
@@ -220,6 +221,27 @@ class Trainee:
 
     updates_while_scoring = True
     """Whether `update_policy` takes `before_minibatch` (a remote training group does not)."""
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether checkpoints hold the trained weights and optimizer state as a sharded DCP
+        checkpoint (`save_sharded`; resumable on another number of training processes), rather
+        than the optimizer state in `trainer_state.pt`. Here: a plain torch optimizer over the
+        policy's parameters alone (the critic's value head has its own group outside the model)."""
+        return isinstance(self.optimizer, torch.optim.Optimizer) and self.value_head is None
+
+    def save_sharded(self, folder: Path) -> None:
+        """Write the trained weights and optimizer state into `folder` (`mmrl.train.sharded`)."""
+        save_sharded(self.policy.model, self.optimizer, folder)
+
+    def load_sharded(self, folder: Path) -> None:
+        """Read what `save_sharded` wrote, by whatever number of processes wrote it."""
+        if not self.shards_state:
+            raise ValueError(
+                f"{folder} is a sharded checkpoint, which this run's optimizer cannot read (a DeepSpeed "
+                "optimizer or a critic's value head): resume with the strategy and algo.advantage it was written with"
+            )
+        load_sharded(self.policy.model, self.optimizer, folder)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What else a checkpoint holds to resume this trainee exactly (a composition's own
@@ -383,7 +405,7 @@ def _train_holding(
                 if not resumed and cfg.trainer.eval_at_start:
                     progress.start_acc = progress.best_acc = progress.final_acc = run_eval(0)
                 first = progress.step + 1
-                bar = tqdm(
+                bar = ProgressBar(
                     range(first, total + 1), desc="GRPO", disable=not cfg.trainer.progress, dynamic_ncols=True
                 )
                 for step in bar:
@@ -490,8 +512,9 @@ class StopRequest:
 def write_checkpoint(
     cfg: Config, t: Trainee, sampler: PromptSampler, progress: RunProgress, run_dir: Path
 ) -> Path:
+    sharded = t.shards_state
     state = {
-        "optimizer": t.optimizer.state_dict(),
+        **({} if sharded else {"optimizer": t.optimizer.state_dict()}),
         "scheduler": t.scheduler.state_dict(),
         "sampler": sampler.state_dict(),
         "progress": progress.__dict__.copy(),
@@ -512,6 +535,7 @@ def write_checkpoint(
         state,
         config_to_yaml(cfg),
         metric=progress.final_acc,
+        write_more=(lambda folder: t.save_sharded(folder / SHARDED)) if sharded else None,
     )
     apply_retention(run_dir, cfg.trainer.keep_last, cfg.trainer.keep_best)
     return path
@@ -551,7 +575,14 @@ def resume_from(
                 f"trainer.resume={path}: the checkpoint has no value head (algo.advantage={cfg.algo.advantage})"
             )
         t.value_head.load_state_dict(state["value_head"])
-    t.optimizer.load_state_dict(state["optimizer"])
+    if (path / SHARDED).is_dir():  # each training process reads its own shards
+        t.load_sharded(path / SHARDED)
+    else:  # written before sharded checkpoints, or by a DeepSpeed group / a critic run
+        if "optimizer" not in state:
+            raise ValueError(
+                f"trainer.resume={path}: the checkpoint has neither {SHARDED}/ nor an optimizer state"
+            )
+        t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
     progress.__dict__.update(state["progress"])

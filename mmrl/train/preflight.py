@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from mmrl.config import Config, config_to_dict
 from mmrl.train.checkpoint import damaged_checkpoints, find_resume_checkpoint, verify_checkpoint
+from mmrl.train.sharded import SHARDED
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,26 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
 """Config keys a resumed run may set differently from its checkpoint (each change is logged):
 the run's length and bookkeeping, never what it learns from or how. Extending
 `trainer.total_steps` also stretches the learning-rate schedule."""
+
+RESHARDED_MAY_CHANGE: frozenset[str] = frozenset(
+    {
+        "trainer.backend",
+        "trainer.train_workers",
+        "trainer.rollout_workers",
+        "trainer.reward_workers",
+        "trainer.ray_cpus_per_actor",
+        "trainer.ray_gpus_per_actor",
+        "trainer.ray_reward_gpus",
+    }
+)
+"""Config keys a resumed run may also change when its checkpoint holds the training state
+sharded (`mmrl.train.sharded`: the single-process trainer's and FSDP2 groups' checkpoints) and
+the run reads it with FSDP2: where the run is placed, never what it learns. Each training process
+reads its own shards of the weights and optimizer state, so the number of training processes and
+the backend (local <-> Ray) may change; the prompt sampler and the driver's generators do not
+depend on either. Rollout workers whose generators the checkpoint does not hold (more workers, or a
+checkpoint of the single-process trainer) are seeded from `trainer.seed` and the step, with a
+warning."""
 
 RESUME_MAY_CHANGE_PREFIXES: tuple[str, ...] = ("trainer.wandb.", "trainer.mlflow.")
 """Sections a resumed run may set differently too (where metrics are sent)."""
@@ -80,17 +101,28 @@ def check_resume_config(cfg: Config, checkpoint: Path) -> dict[str, tuple[Any, A
         diffs = config_differences(saved_path.read_text(encoding="utf-8"), cfg)
     except Exception as exc:  # noqa: BLE001 - any unreadable config is a refusal, with its cause
         raise ValueError(f"trainer.resume: cannot read the checkpoint's config {saved_path}: {exc}") from None
+    allowed = RESUME_MAY_CHANGE
+    resharded = (Path(checkpoint) / SHARDED).is_dir() and cfg.trainer.strategy == "fsdp2"
+    if resharded:
+        allowed = allowed | RESHARDED_MAY_CHANGE
     refused = {
-        k: v
-        for k, v in diffs.items()
-        if k not in RESUME_MAY_CHANGE and not k.startswith(RESUME_MAY_CHANGE_PREFIXES)
+        k: v for k, v in diffs.items() if k not in allowed and not k.startswith(RESUME_MAY_CHANGE_PREFIXES)
     }
     lines = [f"  {k}: {old!r} -> {new!r}" for k, (old, new) in sorted(diffs.items())]
     if refused:
+        why = ""
+        placement = sorted(set(refused) & RESHARDED_MAY_CHANGE)
+        if placement and not resharded:
+            why = (
+                f"\n{', '.join(placement)} may change only when the checkpoint holds the training state "
+                f"sharded ({SHARDED}/: written by the single-process trainer or an FSDP2 group) and the run "
+                "uses trainer.strategy=fsdp2 (a DeepSpeed group's checkpoint gathers its optimizer state into "
+                "trainer_state.pt and resumes on the placement it was written with)."
+            )
         raise ValueError(
             f"trainer.resume: the config differs from the one {checkpoint} was written with "
             f"({saved_path}):\n" + "\n".join(lines) + "\nA resumed run may change only "
-            f"{', '.join(sorted(RESUME_MAY_CHANGE))}. Resume with the checkpoint's config, or start a "
+            f"{', '.join(sorted(allowed))}.{why} Resume with the checkpoint's config, or start a "
             "new run (another trainer.run_dir) to train with this one."
         )
     for key, (old, new) in sorted(diffs.items()):
