@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -746,6 +747,7 @@ def fake_vllm(monkeypatch):
         lora_path: str
 
     request.LoRARequest = LoRARequest
+    vllm.__version__ = engine_module.MIN_VLLM
     channel = FakeNcclChannel()
     utils = types.ModuleType("vllm.distributed.utils")
     utils.StatelessProcessGroup = FakeStatelessProcessGroup
@@ -1379,3 +1381,23 @@ def test_a_tensor_parallel_engine_needs_as_many_gpus_per_rollout_worker():
         load_config(overrides=[*ray_vllm, "trainer.ray_gpus_per_actor=2"]).rollout.vllm_tensor_parallel_size
         == 2
     )
+
+
+def test_a_vllm_older_than_the_floor_is_refused_naming_both_versions(monkeypatch):
+    """pyproject declared vllm>=0.10.2 while every weight sync calls LLM.reset_encoder_cache
+    (vLLM 0.16.0 on): an older vLLM is refused at import, before an engine starts."""
+    from mmrl.rollout.vllm import MIN_VLLM, check_vllm_version, import_vllm
+
+    assert MIN_VLLM == "0.16.0"
+    for version in ("0.10.2", "0.15.1", "0.15.2.dev3+gabc"):
+        with pytest.raises(
+            ImportError, match=re.escape(f"vLLM {version} is installed; mmrl needs vllm>=0.16.0")
+        ):
+            check_vllm_version(version)
+    for version in ("0.16.0", "0.16.0.dev7+gabc", "0.26.0"):
+        check_vllm_version(version)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.12.0"))
+    with pytest.raises(ImportError, match="0.12.0"):
+        import_vllm()
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert f'vllm = ["vllm>={MIN_VLLM}"]' in pyproject

@@ -88,8 +88,10 @@ from mmrl.types import RolloutBatch, Sample
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "the vLLM rollout engine needs vLLM and a GPU: pip install 'mmrl[vllm]'"
-MIN_VLLM = "0.10.2"
-"""The first vLLM whose `logprobs_mode` has `processed_logprobs`."""
+MIN_VLLM = "0.16.0"
+"""The oldest vLLM mmrl runs on: `logprobs_mode=processed_logprobs` (since 0.10.2) and
+`LLM.reset_encoder_cache`, which every weight sync calls (vLLM PR #33452, merged January 30,
+2026, the day after 0.15.0; 0.16.0 is the first release after it)."""
 SYNC_BUCKET_BYTES = 512 * 2**20
 """A weight sync sends the weights in messages of about this many bytes (at least one tensor
 each): the host holds one bucket at a time, not a copy of the model."""
@@ -101,12 +103,30 @@ WEIGHT_SYNCS = ("auto", "inprocess", "nccl")
 
 
 def import_vllm():
-    """vLLM, imported on first use (never at module import: the engine is optional)."""
+    """vLLM, imported on first use (never at module import: the engine is optional); an older
+    vLLM than `MIN_VLLM` is refused here, naming both versions, before an engine starts."""
     try:
         import vllm
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} (rollout.engine=vllm)") from exc
+    check_vllm_version(getattr(vllm, "__version__", "0"))
     return vllm
+
+
+def check_vllm_version(version: str) -> None:
+    """ImportError when `version`'s release number is below `MIN_VLLM`'s (a development or
+    pre-release build of the floor, `0.16.0.dev12+g...`, passes)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        old = Version(version).release < Version(MIN_VLLM).release
+    except InvalidVersion:
+        return  # a source build with an odd version string: the methods are checked as used
+    if old:
+        raise ImportError(
+            f"vLLM {version} is installed; mmrl needs vllm>={MIN_VLLM} (LLM.reset_encoder_cache after "
+            "every weight sync, processed log-probs): pip install -U 'mmrl[vllm]'"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
