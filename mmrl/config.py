@@ -626,6 +626,14 @@ class TrainerConfig:
     """Save the final policy in Hugging Face format under `<run_dir>/final`."""
     checkpoint_every: int = 0
     """Write a resumable checkpoint every N steps (0: only at the end and on SIGINT/SIGTERM)."""
+    async_checkpoint: bool = False
+    """Write periodic checkpoints in the background: the loop stops only to write the Hugging
+    Face weights and the trainer state and to copy the sharded training state (each training
+    process its own shards, `mmrl.train.sharded`); the shards are written, every file checksummed,
+    synced and the folder renamed into place by threads while training goes on. A checkpoint
+    counts (for a resume, for retention) only once all of that is done, so a crash meanwhile
+    leaves the earlier ones in use. The last checkpoint and one a signal asks for are written
+    before the run stops. Costs host memory for the copy of this process's shards."""
     keep_last: int = 2
     """Checkpoints to keep (the newest); 0 keeps all."""
     keep_best: bool = True

@@ -175,13 +175,14 @@ def update_policy(self, *a, **kw):
     return out
 rb.RayTrainee.update_policy = update_policy
 
-write_fn = grpo.write_checkpoint
-def write_checkpoint(cfg, t, sampler, progress, run_dir):
-    out = write_fn(cfg, t, sampler, progress, run_dir)
+start_fn = grpo.start_write_checkpoint
+def start_write_checkpoint(cfg, t, sampler, progress, run_dir, background=False):
+    out = start_fn(cfg, t, sampler, progress, run_dir, background)
     if kind == "after_checkpoint" and progress.step == at:
+        out.wait()
         die()
     return out
-grpo.write_checkpoint = write_checkpoint
+grpo.start_write_checkpoint = start_write_checkpoint
 
 sha_fn = ck._sha256
 def _sha256(path):
@@ -324,6 +325,8 @@ def test_a_lora_run_with_a_model_reward_trains_across_two_nodes(cluster, model_d
             # fit on one 2-CPU node; the reward worker takes the fourth CPU.
             "trainer.ray_cpus_per_actor=1",
             "trainer.total_steps=2",
+            "trainer.checkpoint_every=1",
+            "trainer.async_checkpoint=true",  # checkpoint 1 in the background (the last one is not)
             "trainer.prompts_per_step=4",
             "rollout.group_size=4",
             "trainer.eval_every=2",
@@ -358,6 +361,26 @@ def test_a_lora_run_with_a_model_reward_trains_across_two_nodes(cluster, model_d
         assert r["reward/mean"] == pytest.approx(r["reward/accuracy"] + r["reward/model/total"], abs=1e-5)
         assert r["reward_models/resident/brevity"] == 0.0
     assert steps[1]["reward_models/moves"] > steps[0]["reward_models/moves"] > 0
+    # Checkpoint 1, written in the background by the two processes on two nodes (each its own
+    # shards, the collectives on a gloo group of their own) while step 2 ran: complete, and its
+    # sharded adapters are the ones the driver saved in Hugging Face format at that step.
+    from safetensors.torch import load_file
+
+    from mmrl.train.checkpoint import verify_checkpoint
+
+    assert [c.step for c in list_checkpoints(run)] == [1, 2]
+    first = run / "checkpoints" / "step_00000001"
+    assert verify_checkpoint(first) is None
+    assert sorted(p.name for p in (first / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    sharded = read_sharded(first / "sharded")
+    hf = load_file(first / "model" / "adapter_model.safetensors")
+    assert len(sharded["model"]) == len(hf) > 0 and all(".lora_" in k for k in sharded["model"])
+    for key, value in hf.items():
+        name = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+            ".lora_B.weight", ".lora_B.default.weight"
+        )
+        assert torch.equal(sharded["model"][name], value), key
+    assert sharded["optimizer"]["state"].keys() == sharded["model"].keys()  # Adam moments of each adapter
     # LoRA's outputs: the adapters alone and the merged model.
     assert (run / "final_adapter" / "adapter_model.safetensors").exists()
     assert (run / "final" / "config.json").exists()

@@ -325,3 +325,67 @@ def test_a_multi_turn_run_killed_inside_a_step_resumes_exactly(tmp_path, monkeyp
     assert any("agent/turns" in r and r["agent/turns"] > 1 for r in whole_metrics)
     assert any(r.get("agent/turns/minigrid/minigrid", 0) > 1 for r in whole_metrics)  # episodes in steps
     assert _metrics(tmp_path / "killed") == whole_metrics
+
+
+# `mmrl train` in this process, SIGKILLing itself while a background thread seals the checkpoint
+# whose temporary folder name holds MMRL_TEST_KILL_IN (its shards written, its checksums being
+# computed; no manifest yet).
+KILL_WHILE_SEALING = r"""
+import os, signal, sys
+from mmrl.heap import imports_without_gc
+with imports_without_gc():
+    import mmrl.train.checkpoint as ck
+    from mmrl.cli import main
+
+where = os.environ["MMRL_TEST_KILL_IN"]
+sha_fn = ck._sha256
+def _sha256(path):
+    if where in str(path):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sha_fn(path)
+ck._sha256 = _sha256
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_background_checkpoints_equal_synchronous_ones_and_a_kill_while_sealing_keeps_the_last(
+    mmrl_cache, tmp_path
+):
+    """`trainer.async_checkpoint`: a run whose checkpoints are sealed in the background trains and
+    checkpoints exactly as one that waits for them. Killed while checkpoint 3 is being sealed
+    (after the loop went on), the run still has checkpoints 1 and 2: retention (keep_last=2) had
+    not deleted checkpoint 1 for the unfinished 3. Resumed, it ends equal to the uninterrupted run,
+    bit for bit (metrics, weights, the sharded optimizer state, the trainer state)."""
+    from safetensors.torch import load_file
+
+    args = [*SHORT, "trainer.total_steps=4", "trainer.checkpoint_every=1", "trainer.keep_last=2"]
+    whole = _cli(*args, f"trainer.run_dir={tmp_path / 'whole'}")
+    assert whole.wait() == 0, whole.stderr.read()[-3000:]
+
+    run = tmp_path / "background"
+    command = [sys.executable, "-c", KILL_WHILE_SEALING, "train", *args, "trainer.async_checkpoint=true",
+               f"trainer.run_dir={run}"]  # fmt: skip
+    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1", MMRL_TEST_KILL_IN=".tmp_step_00000003")
+    killed = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert [c.step for c in list_checkpoints(run)] == [1, 2]
+    assert find_resume_checkpoint(run).step == 2
+    left = list((run / "checkpoints").glob(".tmp_step_00000003_*"))
+    assert left and (left[0] / "sharded" / ".metadata").is_file()  # its shards were written
+
+    resumed = subprocess.run([*command, "--resume", "auto"], env={**env, "MMRL_TEST_KILL_IN": "never"},
+                             capture_output=True, text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step_00000002" in resumed.stderr
+    assert not list((run / "checkpoints").glob(".tmp_step_*"))  # the leftover was removed
+    assert (
+        [c.step for c in list_checkpoints(run)]
+        == [3, 4]
+        == [c.step for c in list_checkpoints(tmp_path / "whole")]
+    )
+    assert _metrics(run) == _metrics(tmp_path / "whole")
+    for step in ("step_00000003", "step_00000004"):
+        a, b = run / "checkpoints" / step, tmp_path / "whole" / "checkpoints" / step
+        wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), step
+        same_checkpoint_state(a, b, step)

@@ -204,3 +204,55 @@ def test_a_worker_count_change_is_allowed_for_a_sharded_checkpoint_and_refused_o
         check_resume_config(load_config("vision_reasoning", overrides=[*deepspeed, "trainer.train_workers=2"]), gathered)  # fmt: skip
     assert "trainer.train_workers: 1 -> 2" in str(info.value)
     assert "holds the training state sharded" in str(info.value) and "DeepSpeed" in str(info.value)
+
+
+def test_a_background_checkpoint_exists_only_once_sealed_and_a_failed_one_leaves_the_last(tmp_path):
+    """`start_checkpoint(background=True)` returns while the sharded files are still being
+    written; the checkpoint is invisible (no step folder, no manifest, retention not run) until
+    they are complete and it is sealed. A write that fails in the background is raised by
+    `wait()` as a StorageError naming the cause, its temporary folder removed, the earlier
+    checkpoint untouched."""
+    import errno
+    import threading
+
+    from mmrl.train.checkpoint import find_resume_checkpoint, list_checkpoints, start_checkpoint
+    from mmrl.train.storage import StorageError
+
+    class Weights:
+        def save_pretrained(self, folder: Path) -> None:
+            (Path(folder) / "config.json").write_text("{}")
+
+    release, sealed = threading.Event(), []
+
+    def shards(folder: Path):
+        (folder / SHARDED).mkdir()
+
+        def written() -> None:
+            assert release.wait(timeout=60)
+            (folder / SHARDED / "__0_0.distcp").write_bytes(b"shard")
+
+        return written
+
+    config = config_to_yaml(_cfg())
+    pending = start_checkpoint(tmp_path, 1, Weights(), Weights(), {"progress": {}}, config,
+                               write_more=shards, background=True, then=sealed.append)  # fmt: skip
+    assert not pending.done() and list_checkpoints(tmp_path) == [] and not sealed
+    assert find_resume_checkpoint(tmp_path) is None
+    release.set()
+    folder = pending.wait()
+    assert folder.name == "step_00000001" and sealed == [folder]
+    assert find_resume_checkpoint(tmp_path).step == 1  # verifies: the shard is in the manifest
+
+    def full_disk(folder: Path):
+        def written() -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        return written
+
+    failing = start_checkpoint(tmp_path, 2, Weights(), Weights(), {"progress": {}}, config,
+                               write_more=full_disk, background=True)  # fmt: skip
+    with pytest.raises(StorageError, match="disk is full") as info:
+        failing.wait()
+    assert "step_00000001 is intact" in str(info.value)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [1]
+    assert not list((tmp_path / "checkpoints").glob(".tmp_step_*"))

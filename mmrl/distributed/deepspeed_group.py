@@ -485,7 +485,7 @@ class DeepSpeedLearner(GroupLearner):
     def save_sharded(self, folder: str) -> None:
         raise NotImplementedError("a DeepSpeed group's optimizer state is gathered into trainer_state.pt")
 
-    load_sharded = save_sharded
+    load_sharded = start_sharded_save = save_sharded
 
     def optimizer_state_dict(self) -> dict | None:
         return consolidated_optimizer_state(self.engine, self.rank)

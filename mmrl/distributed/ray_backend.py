@@ -52,7 +52,9 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,8 @@ log = logging.getLogger(__name__)
 
 MAX_REWARD_RESTARTS = 3
 """A run replaces dead reward workers at most this many times in all, then stops with an error."""
+SAVE_POLL_S = 0.5
+"""How often the driver asks the training processes whether a background save is written."""
 READY_TIMEOUT_S = 300.0
 """How long the placement group and the actors' start may take before the run stops."""
 
@@ -407,6 +411,18 @@ class RayTrainingGroup:
         """Every process writes its own shards into `folder` (a path all of them can reach)."""
         self.call("save_sharded", str(folder))
 
+    def start_sharded_save(self, folder: Path) -> Callable[[], None]:
+        """`save_sharded` in the background: returns once every process has copied its shards;
+        the returned function waits until all of them are written (polling, so the processes
+        go on taking the loop's calls meanwhile)."""
+        self.call("start_sharded_save", str(folder))
+
+        def written() -> None:
+            while not all(self.call("sharded_save_done")):
+                time.sleep(SAVE_POLL_S)
+
+        return written
+
     def load_sharded(self, folder: Path, steps: int) -> None:
         """Every process reads its own shards of `folder`, whatever number of processes wrote it."""
         self.call("load_sharded", str(folder), steps)
@@ -478,9 +494,12 @@ class RayTrainee(Trainee):
     def shards_state(self) -> bool:
         return self.fsdp2
 
-    def save_sharded(self, folder: Path) -> None:
+    def save_sharded(self, folder: Path, background: bool = False) -> Callable[[], None] | None:
         """Each training process writes its own shards; the driver's copy is not involved."""
+        if background:
+            return self.group.start_sharded_save(folder)
         self.group.save_sharded(folder)
+        return None
 
     def load_sharded(self, folder: Path) -> None:
         """Read in `restore`, with the schedule's position (every process reads its own shards)."""

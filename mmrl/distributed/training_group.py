@@ -363,6 +363,32 @@ class GroupLearner:
 
         save_sharded(self.model, self.optimizer, folder)
 
+    _writing = None  # the future of a sharded save in the background (`start_sharded_save`)
+    _checkpoint_group = None  # the gloo group those saves run their collectives on
+
+    def start_sharded_save(self, folder: str) -> None:
+        """`save_sharded` in the background (every rank calls): this process's shards are
+        copied now and written by a thread, whose collectives run on a gloo group of their own
+        (made at the first save, by every rank), never on the training group's. Poll
+        `sharded_save_done`; a save starts only after the one before it is complete."""
+        from mmrl.train.sharded import start_save_sharded
+
+        if self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        if self._writing is not None:
+            self._writing.result()
+        self._writing = start_save_sharded(self.model, self.optimizer, folder, self._checkpoint_group)
+
+    def sharded_save_done(self) -> bool:
+        """Whether this process's last background save is written (raises its error)."""
+        if self._writing is None:
+            return True
+        if not self._writing.done():
+            return False
+        writing, self._writing = self._writing, None
+        writing.result()
+        return True
+
     def load_sharded(self, folder: str, steps: int) -> None:
         """Resume from a sharded checkpoint written by any number of processes (every rank calls;
         each reads its own shards), and the schedule as after `steps` scheduler steps."""

@@ -24,12 +24,14 @@ skipped with a warning naming what is wrong. Retention keeps the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,14 +92,92 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     config_yaml: str,
     metric: float | None = None,
-    write_more: Callable[[Path], None] | None = None,
+    write_more: Callable[[Path], Callable[[], None] | None] | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically; returns its folder. `write_more(folder)` writes more
-    files into the (temporary) folder before the manifest lists them: the sharded training
-    state (`mmrl.train.sharded`).
+    """Write checkpoint `step` atomically; returns its folder (`start_checkpoint`, waited for).
 
     A failed write (full disk, read-only folder, ...) removes the temporary folder and raises
     `StorageError` naming the path and the cause; the checkpoints already there are untouched."""
+    return start_checkpoint(
+        run_dir, step, model, processor, trainer_state, config_yaml, metric, write_more
+    ).wait()
+
+
+class PendingCheckpoint:
+    """A checkpoint being sealed: its last part (`seal`: in the background, the model's weights
+    first; waiting for the shards, the checksums, the manifest, the sync, the rename into place)
+    runs on a background thread, or here at once when not `background`. `wait()` returns its
+    folder or raises what went wrong."""
+
+    def __init__(
+        self, step: int, seal: Callable[[], Path], background: bool, weights_written: threading.Event
+    ):
+        self.step = step
+        self.weights_written = weights_written
+        """Set once the model's weights are on disk: until then the live weights must not change."""
+        self._folder: Path | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._run, args=(seal,), name=f"mmrl-checkpoint-{step}", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._folder = seal()
+
+    def _run(self, seal: Callable[[], Path]) -> None:
+        try:
+            self._folder = seal()
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop in wait()
+            self._error = exc
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait_for_weights(self) -> None:
+        """Until the model's weights are written (the loop may then change them); raises what
+        went wrong if the checkpoint failed before that."""
+        while not self.weights_written.wait(timeout=0.1):
+            if self.done():
+                self.wait()  # raises the failure
+                return
+
+    def wait(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._folder is not None
+        return self._folder
+
+
+def start_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    processor: Any,
+    trainer_state: dict[str, Any],
+    config_yaml: str,
+    metric: float | None = None,
+    write_more: Callable[[Path], Callable[[], None] | None] | None = None,
+    background: bool = False,
+    then: Callable[[Path], None] | None = None,
+) -> PendingCheckpoint:
+    """Write checkpoint `step`'s files into a temporary folder here (the weights in Hugging Face
+    format, the trainer state, the config, and what `write_more(folder)` writes or starts: the
+    sharded training state, `mmrl.train.sharded`; it may return a function that waits until its
+    files are complete). Then seal it: wait for those files, checksum every file into the
+    manifest, sync, rename the folder into place, call `then(folder)` (retention); with
+    `background`, on a thread (`PendingCheckpoint`), so the loop goes on meanwhile, and the
+    Hugging Face weights are written first on that thread, from the live model: the caller must
+    not change them before `PendingCheckpoint.wait_for_weights()` returns. Until it is
+    renamed, the checkpoint does not exist for a resume: a crash while sealing leaves the earlier
+    checkpoints in use and a temporary folder that the next start removes.
+
+    A failed write (full disk, read-only folder, ...) removes the temporary folder and raises
+    `StorageError` naming the path and the cause (from `wait()` when in the background); the
+    checkpoints already there are untouched."""
     from mmrl.progress import ProgressBar
 
     root = Path(run_dir) / "checkpoints"
@@ -105,24 +185,60 @@ def save_checkpoint(
     tmp = root / f"{TMP_PREFIX}{step:08d}_{os.getpid()}"
     params = model.parameters() if hasattr(model, "parameters") else ()  # flow-GRPO saves a weights holder
     large = sum(p.numel() * p.element_size() for p in params) >= PROGRESS_MIN_BYTES
-    # A large model's checkpoint takes minutes: a bar on a terminal (tqdm's None: only on a TTY).
-    bar = ProgressBar(
-        total=4, desc=f"checkpoint step {step}", unit="part", disable=None if large else True, leave=False
-    )
-    try:
-        with storage_errors(f"write checkpoint step {step} to", tmp):
+    # A large model's checkpoint takes minutes: a bar on a terminal (tqdm's None: only on a TTY);
+    # none when another thread seals it (under the loop's own bar).
+    bar = ProgressBar(total=4, desc=f"checkpoint step {step}", unit="part",
+                      disable=None if large and not background else True, leave=False)  # fmt: skip
+
+    @contextlib.contextmanager
+    def removed_on_failure():
+        try:
+            with storage_errors(f"write checkpoint step {step} to", tmp):
+                yield
+        except StorageError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; never a half checkpoint
+            bar.close()
+            good = find_resume_checkpoint(run_dir, quiet=True)
+            where = (
+                f"the last good checkpoint {good.path} is intact" if good else "no earlier checkpoint exists"
+            )
+            raise StorageError(
+                f"{exc}. The partial checkpoint was removed and {where}; free space (or fix the folder's "
+                "permissions) and continue with --resume auto",
+                exc.path,
+                exc.cause,
+            ) from exc.__cause__
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-            (tmp / "model").mkdir(parents=True)
-            bar.set_postfix_str("weights")
-            model.save_pretrained(tmp / "model")
-            processor.save_pretrained(tmp / "model")
-            bar.update(1)
-            bar.set_postfix_str("trainer state")
-            torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / STATE)
-            (tmp / "config.yaml").write_text(config_yaml)
-            if write_more is not None:
-                write_more(tmp)
-            bar.update(1)
+            bar.close()
+            raise
+
+    weights_written = threading.Event()
+
+    def write_weights() -> None:
+        bar.set_postfix_str("weights")
+        model.save_pretrained(tmp / "model")
+        processor.save_pretrained(tmp / "model")
+        bar.update(1)
+        weights_written.set()
+
+    with removed_on_failure():
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "model").mkdir(parents=True)
+        if not background:
+            write_weights()
+        bar.set_postfix_str("trainer state")
+        torch.save({**trainer_state, "rng": rng_state(), "step": step}, tmp / STATE)
+        (tmp / "config.yaml").write_text(config_yaml)
+        more_done = write_more(tmp) if write_more is not None else None
+        bar.update(1)
+
+    def seal() -> Path:
+        with removed_on_failure():
+            if background:  # from the live model: the loop waits for it before changing them
+                write_weights()
+            if more_done is not None:
+                more_done()
             bar.set_postfix_str("checksums")
             files = {
                 str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
@@ -145,22 +261,12 @@ def save_checkpoint(
             os.replace(tmp, final)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-    except StorageError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; never a half checkpoint
-        good = find_resume_checkpoint(run_dir, quiet=True)
-        where = f"the last good checkpoint {good.path} is intact" if good else "no earlier checkpoint exists"
-        raise StorageError(
-            f"{exc}. The partial checkpoint was removed and {where}; free space (or fix the folder's "
-            "permissions) and continue with --resume auto",
-            exc.path,
-            exc.cause,
-        ) from exc.__cause__
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
         bar.close()
-    return final
+        if then is not None:
+            then(final)
+        return final
+
+    return PendingCheckpoint(step, seal, background, weights_written)
 
 
 def clean_stale_temporaries(run_dir: Path) -> list[Path]:

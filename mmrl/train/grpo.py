@@ -68,12 +68,13 @@ from mmrl.routing import make_router
 from mmrl.train.baselines import greedy_baselines
 from mmrl.train.batching import select_rows
 from mmrl.train.checkpoint import (
+    PendingCheckpoint,
     apply_retention,
     find_resume_checkpoint,
     load_model_weights,
     load_trainer_state,
-    save_checkpoint,
     set_rng_state,
+    start_checkpoint,
     verify_checkpoint,
 )
 from mmrl.train.data import PromptSampler, cot_pool, load_data_report
@@ -85,7 +86,7 @@ from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
 from mmrl.train.rundir import create_run_dir, hold_run_dir, run_dir_path
 from mmrl.train.schedule import schedule_factor
-from mmrl.train.sharded import SHARDED, load_sharded, save_sharded
+from mmrl.train.sharded import SHARDED, load_sharded, save_sharded, start_save_sharded
 from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
@@ -182,6 +183,9 @@ class Trainee:
     value_head: torch.nn.Module | None = None
     """The critic (`algo.advantage` gae / turn_gae): a value head on the policy's last hidden
     state (`mmrl.train.forward.ValueHead`), in the optimizer's `critic` group; None otherwise."""
+    sealing: PendingCheckpoint | None = None
+    """A checkpoint being written in the background (`trainer.async_checkpoint`) whose Hugging
+    Face weights are read from the live model: the update waits for them before changing it."""
 
     # The learner: the policy's log-probs and update. Here, in this process; a training group
     # across processes (`mmrl.distributed`) overrides these two.
@@ -230,9 +234,19 @@ class Trainee:
         policy's parameters alone (the critic's value head has its own group outside the model)."""
         return isinstance(self.optimizer, torch.optim.Optimizer) and self.value_head is None
 
-    def save_sharded(self, folder: Path) -> None:
-        """Write the trained weights and optimizer state into `folder` (`mmrl.train.sharded`)."""
-        save_sharded(self.policy.model, self.optimizer, folder)
+    def save_sharded(self, folder: Path, background: bool = False) -> Callable[[], None] | None:
+        """Write the trained weights and optimizer state into `folder` (`mmrl.train.sharded`);
+        with `background`, start writing a copy and return a function that waits until the files
+        are complete (raising the write's error)."""
+        if not background:
+            save_sharded(self.policy.model, self.optimizer, folder)
+            return None
+        future = start_save_sharded(self.policy.model, self.optimizer, folder)
+
+        def written() -> None:
+            future.result()
+
+        return written
 
     def load_sharded(self, folder: Path) -> None:
         """Read what `save_sharded` wrote, by whatever number of processes wrote it."""
@@ -399,6 +413,7 @@ def _train_holding(
     # 4. The loop: one step per rollout batch, greedy evaluation every `eval_every` steps,
     #    a checkpoint every `checkpoint_every` steps and when SIGINT / SIGTERM asks to stop
     #    (before the first step, a stop ends the run like Ctrl-C: nothing to resume yet).
+    sealing: PendingCheckpoint | None = None  # the last checkpoint, maybe still being sealed
     with metrics_log:  # every sink closed on the way out; the trackers told "failed" on an error
         try:
             with stop.installed():
@@ -420,12 +435,23 @@ def _train_holding(
                             progress.best_acc = max(progress.best_acc, progress.final_acc, key=_nan_last)
                     every = cfg.trainer.checkpoint_every
                     if (every and step % every == 0) or step == total or stop.requested:
-                        write_checkpoint(cfg, t, sampler, progress, run_dir)
+                        if sealing is not None:  # one at a time, in order
+                            sealing.wait()
+                        # The last one (and one a signal asks for) is sealed before going on.
+                        background = cfg.trainer.async_checkpoint and step < total and not stop.requested
+                        sealing = t.sealing = start_write_checkpoint(
+                            cfg, t, sampler, progress, run_dir, background
+                        )
                     if stop.requested:
                         log.warning("stopping at step %d on %s; checkpoint written", step, stop.signal_name)
                         break
                 bar.close()
+                if sealing is not None:
+                    sealing.wait()
         finally:
+            if sealing is not None and not sealing.done():  # an error left it sealing: let it finish
+                with contextlib.suppress(Exception):
+                    sealing.wait()
             t.close()
 
         # 5. Final policy (HF format; LoRA adapters merged, and saved alone too), curves, summary.
@@ -512,6 +538,22 @@ class StopRequest:
 def write_checkpoint(
     cfg: Config, t: Trainee, sampler: PromptSampler, progress: RunProgress, run_dir: Path
 ) -> Path:
+    """Write the run's checkpoint of `progress.step` (and apply retention); returns its folder."""
+    return start_write_checkpoint(cfg, t, sampler, progress, run_dir).wait()
+
+
+def start_write_checkpoint(
+    cfg: Config,
+    t: Trainee,
+    sampler: PromptSampler,
+    progress: RunProgress,
+    run_dir: Path,
+    background: bool = False,
+) -> PendingCheckpoint:
+    """`write_checkpoint`; with `background` (`trainer.async_checkpoint`), the sharded state is
+    written by a thread from a copy and the checkpoint sealed on another (`start_checkpoint`):
+    the loop goes on after the copy. Retention runs only once it is sealed, so an older
+    checkpoint is deleted only after the new one is complete and in place."""
     sharded = t.shards_state
     state = {
         **({} if sharded else {"optimizer": t.optimizer.state_dict()}),
@@ -527,7 +569,7 @@ def write_checkpoint(
         # A reset reference is the policy of its reset step, which nothing else can rebuild: it
         # travels with the checkpoint (in its own dtype) so a resumed run keeps it.
         state["reference"] = {k: v.detach().cpu() for k, v in t.reference.state_dict().items()}
-    path = save_checkpoint(
+    return start_checkpoint(
         run_dir,
         progress.step,
         t.policy.model,
@@ -535,10 +577,10 @@ def write_checkpoint(
         state,
         config_to_yaml(cfg),
         metric=progress.final_acc,
-        write_more=(lambda folder: t.save_sharded(folder / SHARDED)) if sharded else None,
+        write_more=(lambda folder: t.save_sharded(folder / SHARDED, background)) if sharded else None,
+        background=background,
+        then=lambda _: apply_retention(run_dir, cfg.trainer.keep_last, cfg.trainer.keep_best),
     )
-    apply_retention(run_dir, cfg.trainer.keep_last, cfg.trainer.keep_best)
-    return path
 
 
 def resume_from(
@@ -786,6 +828,8 @@ def learn_from_rollouts(
     # f. Policy update over mini-batches (with `hook`, each first waits for its groups' rewards
     #    and steps b-e on them), then the learning-rate schedule.
     placed = t.reward_models.training() if t.reward_models is not None else contextlib.nullcontext()
+    if t.sealing is not None:  # a background checkpoint still reading the weights the update changes
+        t.sealing.wait_for_weights()
     try:
         with placed:  # offloadable reward models leave the accelerator while the policy trains
             metrics = t.update_policy(

@@ -24,6 +24,7 @@ RESUME_MAY_CHANGE: frozenset[str] = frozenset(
         "trainer.progress",
         "trainer.threads",
         "trainer.checkpoint_every",
+        "trainer.async_checkpoint",
         "trainer.keep_last",
         "trainer.keep_best",
         "trainer.dump_steps",

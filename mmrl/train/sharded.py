@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,26 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     the metadata."""
     with _quiet_single_process():
         dcp.save({KEY: TrainingState(model, optimizer)}, checkpoint_id=str(folder), no_dist=_single_process())
+
+
+def start_save_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: str | Path,
+    process_group: dist.ProcessGroup | None = None,
+) -> Future:
+    """`save_sharded` in the background (`dcp.async_save`): this process's shards are copied
+    here (DCP's staging: the copy is what gets written, so training may change the weights at
+    once), then written by a thread; the returned future completes when they are on disk (and
+    raises the write's error). In a process group, pass a gloo group of its own
+    (`process_group`): the writer's collectives then never interleave with training's."""
+    with _quiet_single_process():
+        return dcp.async_save(
+            {KEY: TrainingState(model, optimizer)},
+            checkpoint_id=str(folder),
+            process_group=process_group,
+            no_dist=_single_process(),
+        )
 
 
 def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str | Path) -> None:
