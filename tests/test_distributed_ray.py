@@ -110,6 +110,42 @@ def test_the_builtin_task_trains_on_ray_with_the_local_backends_metrics_and_run_
     assert max(float((final[k] - start[k]).abs().max()) for k in start) > 1e-4
 
 
+def test_the_asynchronous_mode_runs_on_ray_one_step_ahead(local_ray, model_dir, tmp_path):
+    """`trainer.mode=async` on Ray (`max_staleness=1`): the generator thread has the rollout and
+    reward workers make the next step's batch while the group trains on the current one. The
+    generator checks the version right after finishing a batch, before the trainer can have
+    trained on it, so from step 2 on every batch is exactly one version behind the policy it
+    updates: versions 0, 0, 1, 2 for steps 1-4. The group's recomputed (proximal) log-probs then
+    differ from the workers' (stale) ones, and TIS corrects for it; at step 1 they agree."""
+    result = train(
+        load_config(
+            "vision_reasoning",
+            overrides=[
+                *SMALL,
+                f"model.path={model_dir}",
+                f"trainer.run_dir={tmp_path}",
+                "trainer.total_steps=4",
+                "trainer.backend=ray",
+                "trainer.mode=async",
+                "trainer.max_staleness=1",
+                "algo.tis=token",
+                "trainer.ray_cpus_per_actor=0.5",
+            ],
+        )
+    )
+    assert result.steps == 4 and not result.interrupted
+    steps = [r for r in _records(result.run_dir) if "async/staleness" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["async/policy_version"] for r in steps] == [0, 0, 1, 2]
+    assert [r["async/staleness"] for r in steps] == [0, 1, 1, 1]
+    assert abs(steps[0]["rollout/kl_k1"]) < 1e-5
+    assert max(abs(r["rollout/kl_k1"]) for r in steps[1:]) > 1e-5  # one update behind: really stale
+    assert all(r["actor/grad_norm"] > 0 for r in steps)
+    # The held-out evaluations (at the start, steps 2 and 4) and the checkpoints ran beside the generator.
+    assert [r["step"] for r in _records(result.run_dir) if "eval/accuracy" in r] == [0, 2, 4]
+    assert (result.run_dir / "checkpoints" / "step_00000004" / "manifest.json").exists()
+
+
 def _reward_worker(cfg):
     def start(name, slot):
         return ray.remote(RewardWorker).options(num_cpus=0.1, max_restarts=0).remote(cfg, 1)

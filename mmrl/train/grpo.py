@@ -257,6 +257,10 @@ class Trainee:
             )
         load_sharded(self.policy.model, self.optimizer, folder)
 
+    def evaluation_engine(self) -> HFRolloutEngine:
+        """The engine that evaluates the current policy (here the rollout engine, which holds it)."""
+        return self.engine
+
     def checkpoint_state(self) -> dict[str, Any]:
         """What else a checkpoint holds to resume this trainee exactly (a composition's own
         state, e.g. the Ray rollout workers' random generators); merged into the trainer state."""
@@ -370,8 +374,9 @@ def _train_holding(
     def run_eval(step: int) -> float:
         # A stop asked during an evaluation ends it between two responses (EvaluationInterrupted).
         log.info("step %d: held-out evaluation of %d samples", step, len(heldout))
+        engine = t.evaluation_engine()
         evaluation = run_evaluation(
-            t.engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total),
+            engine, t.router, heldout, cfg.rollout.max_new_tokens, VerifyContext(step, total),
             progress=cfg.trainer.progress, should_stop=lambda: stop.requested,
             generations=cfg.trainer.log_generations, agent=cfg.agent,
         )  # fmt: skip
@@ -383,7 +388,7 @@ def _train_holding(
             from mmrl.datasets.visual_search import without_tools
 
             plain = run_evaluation(
-                t.engine, t.router, [without_tools(s) for s in heldout], cfg.rollout.max_new_tokens,
+                engine, t.router, [without_tools(s) for s in heldout], cfg.rollout.max_new_tokens,
                 VerifyContext(step, total), agent=cfg.agent,
             ).metrics  # fmt: skip
             metrics.update({f"eval_no_tools/{k.removeprefix('eval/')}": v for k, v in plain.items()})
@@ -393,7 +398,7 @@ def _train_holding(
             from mmrl.eval.runner import evaluate_suite
 
             suite = None if tr.eval_suite == "builtin" else tr.eval_suite
-            metrics.update(evaluate_suite(t.engine, suite, max_queries=tr.eval_suite_max_queries))
+            metrics.update(evaluate_suite(engine, suite, max_queries=tr.eval_suite_max_queries))
         metrics_log.log(step, metrics)
         metrics_log.log_generations(step, evaluation.generations)
         log.info("step %d: greedy held-out accuracy %.3f [%.3f-%.3f] (%d prompts)", step, metrics["eval/accuracy"],
