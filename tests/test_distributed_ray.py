@@ -296,3 +296,56 @@ def test_tool_samples_train_on_ray_and_in_the_asynchronous_mode_with_the_agent_m
         assert all(r["agent/tool_calls"] > 0 and r["agent/observation_tokens"] > 0 for r in recs)
         assert all(r["agent/turns/minigrid/minigrid"] > 1 for r in recs)  # the episodes went on
         assert all(r["agent/end_env_error"] == 0 and r["agent/end_env_timeout"] == 0 for r in recs)
+
+
+# A driver that starts its own Ray (no trainer.ray_address) through mmrl's RayCluster, prints the
+# pids of every process under it once Ray's agents are up, then waits to be killed.
+OWN_RAY_DRIVER = r"""
+import json, time
+import psutil
+from mmrl.config import load_config
+from mmrl.distributed.ray_backend import RayCluster
+overrides = ["trainer.backend=ray", "trainer.ray_cpus_per_actor=0.25", "trainer.ray_address=local"]  # a new cluster
+cluster = RayCluster(load_config("vision_reasoning", overrides=overrides))
+names = lambda: {p.name() for p in psutil.Process().children(recursive=True)}
+while not {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names():
+    time.sleep(0.2)
+time.sleep(2.5)  # the reaper has recorded them (it looks once a second)
+print(json.dumps({p.pid: p.name() for p in psutil.Process().children(recursive=True)}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_sigkilled_driver_leaves_no_ray_process_of_its_own_cluster(tmp_path):
+    """Issue 46: a driver that started its own Ray and was killed with SIGKILL left
+    `ray::DashboardAgent` and `ray::RuntimeEnvAgent` running (about 100 MB each, deaf to
+    SIGTERM). The reaper it starts with Ray removes every process the driver had started."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
+    driver = subprocess.Popen([sys.executable, "-c", OWN_RAY_DRIVER], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=tmp_path)  # fmt: skip
+    line = driver.stdout.readline()
+    assert line, driver.stderr.read()[-3000:]
+    started = {int(pid): name for pid, name in json.loads(line).items()}
+    assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent", "raylet", "gcs_server"} <= set(started.values())
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.monotonic() + 120  # a hang guard, not a performance check
+    alive = dict(started)
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    while alive and time.monotonic() < deadline:
+        alive = {pid: name for pid, name in alive.items() if running(pid)}
+        time.sleep(0.5)
+    assert not alive, f"left running after the driver was killed: {alive}"
+    assert "mmrl: removed" in driver.stderr.read()  # the reaper says what it removed

@@ -51,6 +51,8 @@ import contextlib
 import dataclasses
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -661,7 +663,10 @@ class RayCluster:
     def __init__(self, cfg: Config):
         ray = self.ray = ray_module()
         self.started_ray = False
+        self.reaper: subprocess.Popen | None = None
         if not ray.is_initialized():
+            if cfg.trainer.ray_address in (None, "", "local"):  # Ray's processes are this driver's children
+                self.reaper = start_reaper()
             ray.init(address=cfg.trainer.ray_address, include_dashboard=False, logging_level=logging.WARNING)
             self.started_ray = True
         tr = cfg.trainer
@@ -730,6 +735,10 @@ class RayCluster:
         self._remove_groups()
         if self.started_ray:
             ray.shutdown()
+        if self.reaper is not None:  # it removes whatever ray.shutdown left, then exits
+            self.reaper.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.reaper.wait(timeout=15)
 
     def _remove_groups(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -737,6 +746,23 @@ class RayCluster:
         for pg in (self.pg, self.reward_pg):
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
+
+
+def start_reaper() -> subprocess.Popen | None:
+    """`mmrl.distributed.reaper` watching this process (its own session; its standard input a pipe
+    from here, which closes when this process exits or is killed). None without psutil."""
+    try:
+        import psutil  # noqa: F401 - the reaper's only dependency
+    except ImportError:
+        log.warning("psutil is not installed: Ray processes of a killed driver are not cleaned up")
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-m", "mmrl.distributed.reaper", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+    )
 
 
 def ray_composition(cfg: Config) -> Composition:
