@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(0.2)  # a clean shutdown's last processes exit by themselves
     killed = reap(known)
     if killed:
-        print(f"mmrl: removed {len(killed)} processes left by driver {driver} (pids {killed})", file=sys.stderr)
+        print(
+            f"mmrl: removed {len(killed)} processes left by driver {driver} (pids {killed})", file=sys.stderr
+        )
     return 0
 
 
