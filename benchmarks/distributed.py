@@ -4,6 +4,7 @@
     local async (S=1)        trainer.mode=async trainer.max_staleness=1 algo.tis=token
     Ray, 1 rollout worker    trainer.backend=ray trainer.rollout_workers=1 trainer.train_workers=1
     Ray, 2 rollout workers   trainer.backend=ray trainer.rollout_workers=2 trainer.train_workers=1
+    Ray async (S=1), 2 rw    the same with trainer.mode=async trainer.max_staleness=1 algo.tis=token
     local DeepSpeed ZeRO-2   trainer.strategy=deepspeed (the update by a one-process engine)
     Ray, FSDP2 x2            trainer.backend=ray trainer.rollout_workers=1 trainer.train_workers=2
     Ray, DeepSpeed ZeRO-2 x2 ... trainer.strategy=deepspeed trainer.zero_stage=2
@@ -55,6 +56,15 @@ LAYOUTS: dict[str, list[str]] = {
         "trainer.rollout_workers=2",
         "trainer.train_workers=1",
         "trainer.ray_cpus_per_actor=0.5",
+    ],
+    "Ray async (S=1), 2 rw": [
+        "trainer.backend=ray",
+        "trainer.rollout_workers=2",
+        "trainer.train_workers=1",
+        "trainer.ray_cpus_per_actor=0.5",
+        "trainer.mode=async",
+        "trainer.max_staleness=1",
+        "algo.tis=token",
     ],
     "local DeepSpeed ZeRO-2": ["trainer.strategy=deepspeed"],
     **{
