@@ -108,6 +108,14 @@ def test_the_builtin_task_trains_on_ray_with_the_local_backends_metrics_and_run_
         load_policy(on_ray.run_dir / "final").model.state_dict(),
     )
     assert max(float((final[k] - start[k]).abs().max()) for k in start) > 1e-4
+    # The Hugging Face export (final/, from the driver's copy, loaded with from_pretrained) holds
+    # the group's trained weights: those its two processes wrote as shards at the last step.
+    from mmrl.train.sharded import read_sharded
+
+    trained = read_sharded(on_ray.run_dir / "checkpoints" / "step_00000003" / "sharded")["model"]
+    assert trained and trained.keys() <= final.keys()
+    for key, value in trained.items():
+        assert torch.equal(final[key].float(), value.float()), key
 
 
 def test_the_asynchronous_mode_runs_on_ray_one_step_ahead(local_ray, model_dir, tmp_path):

@@ -381,6 +381,21 @@ def test_a_lora_run_with_a_model_reward_trains_across_two_nodes(cluster, model_d
         )
         assert torch.equal(sharded["model"][name], value), key
     assert sharded["optimizer"]["state"].keys() == sharded["model"].keys()  # Adam moments of each adapter
-    # LoRA's outputs: the adapters alone and the merged model.
-    assert (run / "final_adapter" / "adapter_model.safetensors").exists()
-    assert (run / "final" / "config.json").exists()
+    # LoRA's outputs: the adapters alone (a peft adapter folder) and the merged model, each loaded
+    # the usual way: the base with the adapters merged by peft equals the merged export.
+    from peft import PeftModel
+
+    from mmrl.models.loading import load_policy
+
+    merged = load_policy(run / "final").model.state_dict()
+    by_peft = PeftModel.from_pretrained(
+        load_policy(model_dir).model, run / "final_adapter"
+    ).merge_and_unload()
+    by_peft = by_peft.state_dict()
+    assert by_peft.keys() == merged.keys()
+    for key, value in merged.items():
+        torch.testing.assert_close(by_peft[key], value, rtol=0, atol=1e-6, msg=key)
+    assert (
+        max(float((merged[k] - v).abs().max()) for k, v in load_policy(model_dir).model.state_dict().items())
+        > 0
+    )
