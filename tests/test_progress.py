@@ -8,23 +8,23 @@ import pytest
 def test_a_large_models_checkpoint_shows_its_parts_on_a_terminal(tmp_path, monkeypatch):
     """The bar (weights, trainer state, checksums, sync) is on for a model of at least
     `PROGRESS_MIN_BYTES` (lowered here) and off for smaller ones; tqdm's own rule keeps it off
-    the logs of a run that is not on a terminal."""
+    the logs of a run that is not on a terminal (mmrl's `ProgressBar`: `disable=None`)."""
     import io
 
     import torch
-    import tqdm
 
+    import mmrl.progress
     import mmrl.train.checkpoint as checkpoint
 
     made = []
-    real = tqdm.tqdm
+    real = mmrl.progress.ProgressBar
 
     def spy(*args, **kwargs):
         bar = real(*args, **{**kwargs, "disable": False, "file": io.StringIO()})
         made.append((kwargs["desc"], kwargs["disable"], bar))
         return bar
 
-    monkeypatch.setattr(tqdm, "tqdm", spy)
+    monkeypatch.setattr(mmrl.progress, "ProgressBar", spy)
 
     class Tiny(torch.nn.Linear):
         def save_pretrained(self, folder):

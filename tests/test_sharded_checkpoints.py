@@ -256,3 +256,25 @@ def test_a_background_checkpoint_exists_only_once_sealed_and_a_failed_one_leaves
     assert "step_00000001 is intact" in str(info.value)
     assert [c.step for c in list_checkpoints(tmp_path)] == [1]
     assert not list((tmp_path / "checkpoints").glob(".tmp_step_*"))
+
+
+def test_a_full_disk_while_dcp_writes_is_raised_as_the_oserror_it_is(tmp_path, monkeypatch):
+    """DCP wraps each rank's failure in its CheckpointException (a BaseException): a full disk
+    while the shards are written is raised as the OSError it is, so the checkpoint writer names
+    the path and the cause (StorageError) and keeps the earlier checkpoints."""
+    import errno
+
+    from mmrl.train.sharded import save_sharded
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+
+    def full(obj, f, *args, **kwargs):  # DCP writes the optimizer's non-tensor state with torch.save
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError) as info:
+        save_sharded(model, optimizer, tmp_path / "sharded")
+    assert info.value.errno == errno.ENOSPC

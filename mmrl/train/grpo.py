@@ -86,7 +86,7 @@ from mmrl.train.plots import plot_training_curves
 from mmrl.train.preflight import check_paths, plan_resume
 from mmrl.train.rundir import create_run_dir, hold_run_dir, run_dir_path
 from mmrl.train.schedule import schedule_factor
-from mmrl.train.sharded import SHARDED, load_sharded, save_sharded, start_save_sharded
+from mmrl.train.sharded import SHARDED, load_sharded, os_error_of, save_sharded, start_save_sharded
 from mmrl.train.stability import StabilityState, mismatch_source_metrics
 from mmrl.train.step_metrics import step_metrics
 from mmrl.train.storage import storage_errors
@@ -244,7 +244,13 @@ class Trainee:
         future = start_save_sharded(self.policy.model, self.optimizer, folder)
 
         def written() -> None:
-            future.result()
+            try:
+                future.result()
+            except BaseException as exc:  # a full disk is raised as the OSError it is (StorageError)
+                inner = os_error_of(exc)
+                if inner is None or inner is exc:
+                    raise
+                raise inner from exc
 
         return written
 

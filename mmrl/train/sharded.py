@@ -66,6 +66,34 @@ def _single_process() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OSError (a full disk, a read-only folder) inside DCP's `CheckpointException`, which
+    wraps each rank's failure; None if there is none (or `exc` is not one)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, OSError):
+                return inner
+    return None
+
+
+@contextlib.contextmanager
+def _storage_error_unwrapped():
+    """A storage failure while DCP writes is raised as the OSError it is (so `storage_errors`
+    names the path and the cause), not as DCP's wrapper."""
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        inner = os_error_of(exc)
+        if inner is None or inner is exc:
+            raise
+        raise inner from exc
+
+
 @contextlib.contextmanager
 def _quiet_single_process():
     """DCP warns on every single-process save and load that it assumes one process, even when
@@ -81,7 +109,7 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     """Write this process's shard of the trained weights and optimizer state into `folder`. In a
     process group every process calls it (they agree on the plan in collectives); rank 0 writes
     the metadata."""
-    with _quiet_single_process():
+    with _quiet_single_process(), _storage_error_unwrapped():
         dcp.save({KEY: TrainingState(model, optimizer)}, checkpoint_id=str(folder), no_dist=_single_process())
 
 
