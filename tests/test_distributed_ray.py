@@ -120,10 +120,8 @@ def test_the_builtin_task_trains_on_ray_with_the_local_backends_metrics_and_run_
 
 def test_the_asynchronous_mode_runs_on_ray_one_step_ahead(local_ray, model_dir, tmp_path):
     """`trainer.mode=async` on Ray (`max_staleness=1`): the generator thread has the rollout and
-    reward workers make the next step's batch while the group trains on the current one. The
-    generator checks the version right after finishing a batch, before the trainer can have
-    trained on it, so from step 2 on every batch is exactly one version behind the policy it
-    updates: versions 0, 0, 1, 2 for steps 1-4. The group's recomputed (proximal) log-probs then
+    reward workers make the next step's batch while the group trains on the current one: every
+    batch is at most one version behind the policy it updates, and some are one behind. The group's recomputed (proximal) log-probs then
     differ from the workers' (stale) ones, and TIS corrects for it; at step 1 they agree."""
     result = train(
         load_config(
@@ -144,10 +142,17 @@ def test_the_asynchronous_mode_runs_on_ray_one_step_ahead(local_ray, model_dir, 
     assert result.steps == 4 and not result.interrupted
     steps = [r for r in _records(result.run_dir) if "async/staleness" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    assert [r["async/policy_version"] for r in steps] == [0, 0, 1, 2]
-    assert [r["async/staleness"] for r in steps] == [0, 1, 1, 1]
+    # Measured on a quiet machine: versions 0, 0, 1, 2 (staleness 0, 1, 1, 1). Under load the
+    # generator thread may be descheduled past an update, so the test asks for the bound and for
+    # the overlap, not for that exact schedule.
+    versions = [r["async/policy_version"] for r in steps]
+    assert versions[0] == 0 and versions == sorted(versions)
+    assert all(r["async/staleness"] in (0.0, 1.0) for r in steps)
+    assert all(v >= r["step"] - 2 for v, r in zip(versions, steps))  # the bound: at most 1 behind
+    stale = [r for r in steps if r["async/staleness"] == 1.0]
+    assert stale  # the generator ran ahead of the trainer
     assert abs(steps[0]["rollout/kl_k1"]) < 1e-5
-    assert max(abs(r["rollout/kl_k1"]) for r in steps[1:]) > 1e-5  # one update behind: really stale
+    assert max(abs(r["rollout/kl_k1"]) for r in stale) > 1e-5  # one update behind: really stale
     assert all(r["actor/grad_norm"] > 0 for r in steps)
     # The held-out evaluations (at the start, steps 2 and 4) and the checkpoints ran beside the generator.
     assert [r["step"] for r in _records(result.run_dir) if "eval/accuracy" in r] == [0, 2, 4]
@@ -357,3 +362,52 @@ def test_a_sigkilled_driver_leaves_no_ray_process_of_its_own_cluster(tmp_path):
         time.sleep(0.5)
     assert not alive, f"left running after the driver was killed: {alive}"
     assert "mmrl: removed" in driver.stderr.read()  # the reaper says what it removed
+
+
+def test_the_reaper_leaves_a_cleanly_ended_drivers_other_children_alone(tmp_path):
+    """After `RayCluster.shutdown` says `done`, the reaper exits without killing anything: the
+    driver may still need its other children (a tracker's process writing the last metrics). A
+    driver that dies without saying it gets its children removed."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    driver = r"""
+import subprocess, sys, time
+from mmrl.distributed.ray_backend import start_reaper
+reaper = start_reaper()
+child = subprocess.Popen(["sleep", "300"])
+print(child.pid, reaper.pid, flush=True)
+time.sleep(2.5)  # recorded by the reaper
+if sys.argv[1] == "clean":
+    reaper.stdin.write(b"done\n"); reaper.stdin.close(); reaper.wait(timeout=60)
+    print("reaper exited", flush=True)
+time.sleep(300)
+"""
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    for how in ("clean", "killed"):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", driver, how], env=env, stdout=subprocess.PIPE, text=True
+        )
+        child, _ = map(int, proc.stdout.readline().split())
+        if how == "clean":
+            assert proc.stdout.readline().strip() == "reaper exited"
+            assert psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE
+            psutil.Process(child).kill()
+            proc.kill()
+            proc.wait()
+        else:
+            proc.kill()
+            proc.wait()
+            deadline = time.monotonic() + 60  # a hang guard, not a performance check
+            while time.monotonic() < deadline:
+                try:
+                    if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                        break
+                except psutil.NoSuchProcess:
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError("the dead driver's child was left running")

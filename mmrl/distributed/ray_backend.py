@@ -521,9 +521,13 @@ class RayTrainee(Trainee):
         if before_minibatch is not None:  # `updates_while_scoring` is False: never passed one
             raise ValueError("the Ray training group updates the whole batch in one call")
         metrics = self.group.update(batch, advantages, old_logprobs, ref_logprobs, weights)
+        self.take_new_weights()
+        return metrics
+
+    def take_new_weights(self) -> None:
+        """After an update: the group's weights to the driver's copy and every rollout worker."""
         self.pull_weights()
         self.push_weights()
-        return metrics
 
     def pull_weights(self) -> None:
         """The group's weights into the driver's copy (LoRA: the adapters only)."""
@@ -604,18 +608,12 @@ class RayAsyncTrainee(RayTrainee):
     version: int = 0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
-    def update_policy(
-        self, cfg, batch, advantages, old_logprobs, ref_logprobs, weights, before_minibatch=None
-    ) -> dict[str, float]:
-        """The group's update, then its weights into the driver's copy; the rollout workers get
-        them from the generator thread, between its batches (`send_newest`)."""
-        if before_minibatch is not None:
-            raise ValueError("the Ray training group updates the whole batch in one call")
-        metrics = self.group.update(batch, advantages, old_logprobs, ref_logprobs, weights)
+    def take_new_weights(self) -> None:
+        """After an update: the group's weights into the driver's copy, counted as a version; the
+        rollout workers get them from the generator thread, between its batches (`send_newest`)."""
         with self._lock:
             self.pull_weights()
             self.version += 1
-        return metrics
 
     def evaluation_engine(self) -> RolloutPool:
         """The rollout workers, sent the current weights first (they may hold an older version
@@ -735,7 +733,9 @@ class RayCluster:
         self._remove_groups()
         if self.started_ray:
             ray.shutdown()
-        if self.reaper is not None:  # it removes whatever ray.shutdown left, then exits
+        if self.reaper is not None:  # a clean end: it exits without touching anything
+            with contextlib.suppress(OSError):
+                self.reaper.stdin.write(b"done\n")
             self.reaper.stdin.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.reaper.wait(timeout=15)

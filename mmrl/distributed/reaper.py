@@ -11,10 +11,12 @@ not reach it), started by the driver right after `ray.init`:
     python -m mmrl.distributed.reaper DRIVER_PID
 
 Until its standard input closes (the driver exits or dies: the pipe's only writer is gone), it
-records every descendant of the driver once a second, by pid and start time. Then it kills
-each recorded process that is still running with the same start time (a pid since reused by
-another process is left alone), and their descendants. After a clean `ray.shutdown()` there is
-nothing left to kill. Reads only `/proc` through psutil.
+records every descendant of the driver once a second, by pid and start time. If the driver said
+`done` first (`RayCluster.shutdown`, after `ray.shutdown()`), it exits and touches nothing: the
+driver may still be using other children (a tracker's process, verifier workers). Otherwise the
+driver died: it kills each recorded process that is still running with the same start time (a
+pid since reused by another process is left alone), and their descendants. Reads only `/proc`
+through psutil.
 """
 
 from __future__ import annotations
@@ -70,12 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     driver = int(args[0])
     known: dict[int, float] = {}
     fd = sys.stdin.fileno()
+    said = b""
     while True:
         known.update(_descendants(driver))
         ready, _, _ = select.select([fd], [], [], POLL_S)
-        if ready and not os.read(fd, 4096):  # end of file: the driver is gone (or done)
-            break
-    time.sleep(0.2)  # a clean shutdown's last processes exit by themselves
+        if ready:
+            chunk = os.read(fd, 4096)
+            if not chunk:  # end of file: the driver is done or gone
+                break
+            said += chunk
+    if b"done" in said:
+        return 0
+    time.sleep(0.2)
     killed = reap(known)
     if killed:
         print(
