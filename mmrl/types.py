@@ -408,6 +408,10 @@ class RolloutBatch:
     trajectories: list[Trajectory] | None = None
     """Per row, what the multi-turn loop recorded (turns, tool calls, termination); None for
     single-turn batches."""
+    token_versions: torch.Tensor | None = None
+    """[N, R] int64, asynchronous mode: the policy version that sampled each model token (-1 on
+    observation and padding positions). A partial rollout's tokens carry the version of the
+    weights each was sampled with. None: the on-policy loop (every token the current policy's)."""
 
     def response_attention(self) -> torch.Tensor:
         """[N, R] the response positions the model attends to: its own tokens and observations."""
@@ -439,6 +443,8 @@ class RolloutBatch:
         }
         if self.observation_mask is not None:
             move["observation_mask"] = self.observation_mask.to(device)
+        if self.token_versions is not None:
+            move["token_versions"] = self.token_versions.to(device)
         vision = {k: v.to(device) for k, v in self.vision_inputs.items()}
         return dataclasses.replace(self, **move, vision_inputs=vision)
 

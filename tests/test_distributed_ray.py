@@ -119,10 +119,11 @@ def test_the_builtin_task_trains_on_ray_with_the_local_backends_metrics_and_run_
 
 
 def test_the_asynchronous_mode_runs_on_ray_one_step_ahead(local_ray, model_dir, tmp_path):
-    """`trainer.mode=async` on Ray (`max_staleness=1`): the generator thread has the rollout and
-    reward workers make the next step's batch while the group trains on the current one: every
-    batch is at most one version behind the policy it updates, and some are one behind. The group's recomputed (proximal) log-probs then
-    differ from the workers' (stale) ones, and TIS corrects for it; at step 1 they agree."""
+    """`trainer.mode=async` on Ray (`max_staleness=1`): one generator thread per rollout worker has
+    its worker generate and the reward workers score groups into the queue while the group trains
+    on those that completed: every trained token is at most one version behind the policy it
+    updates, and some are one behind. The group's recomputed (proximal) log-probs then differ
+    from the workers' (stale) ones, and TIS corrects for it; at step 1 they agree."""
     result = train(
         load_config(
             "vision_reasoning",
@@ -135,6 +136,8 @@ def test_the_asynchronous_mode_runs_on_ray_one_step_ahead(local_ray, model_dir, 
                 "trainer.mode=async",
                 "trainer.max_staleness=1",
                 "algo.tis=token",
+                "trainer.rollout_workers=2",
+                "trainer.async_call_prompts=1",
                 "trainer.ray_cpus_per_actor=0.5",
             ],
         )
@@ -148,6 +151,9 @@ def test_the_asynchronous_mode_runs_on_ray_one_step_ahead(local_ray, model_dir, 
     versions = [r["async/policy_version"] for r in steps]
     assert versions[0] == 0 and versions == sorted(versions)
     assert all(r["async/staleness"] in (0.0, 1.0) for r in steps)
+    assert all(0 <= r["async/token_lag_max"] <= 1 for r in steps)  # every trained token
+    assert all(r["async/token_lag_0"] + r["async/token_lag_1"] == pytest.approx(1.0) for r in steps)
+    assert all(r["async/trainer_wait_s"] >= 0 and "async/dropped_total" in r for r in steps)
     assert all(v >= r["step"] - 2 for v, r in zip(versions, steps))  # the bound: at most 1 behind
     stale = [r for r in steps if r["async/staleness"] == 1.0]
     assert stale  # the generator ran ahead of the trainer

@@ -473,3 +473,33 @@ def test_text_only_trajectories_keep_their_positions_across_turns(tiny_policy):
     with torch.no_grad():
         recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
     torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)
+
+
+def test_partial_rollouts_chunk_every_turn_and_keep_the_trajectory_exact(tiny_policy):
+    """Multi-turn trajectories generated in chunks of 1 token (`Interrupt`), the version going up
+    at every chunk (the weights kept, so the log-probs can be checked): model tokens carry the
+    version of their chunk and observations -1, a turn longer than a chunk spans versions, and
+    the trainer's log-probs of the whole trajectory equal the rollout's (the continuations
+    resume a turn exactly where the chunk cut it)."""
+    from mmrl.rollout.multiturn import Interrupt
+
+    engine = HFRolloutEngine.from_policy(tiny_policy)
+    calls = []
+
+    def refresh() -> int:
+        calls.append(None)
+        return len(calls) - 1
+
+    torch.manual_seed(2)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    batch = generate_trajectories(
+        engine, _tool_samples(2), params, _agent(), interrupt=Interrupt(chunk=1, refresh=refresh)
+    )
+    versions, model, obs = batch.token_versions, batch.response_mask.bool(), batch.observation_mask.bool()
+    assert (versions[obs] == -1).all() and (versions[model] >= 0).all()
+    assert any(traj.turns > 1 for traj in batch.trajectories)  # tools really ran between turns
+    spans = [len(set(versions[r][model[r]].tolist())) for r in range(len(batch))]
+    assert max(spans) > max(traj.turns for traj in batch.trajectories)  # turns cut into chunks
+    with torch.no_grad():
+        recomputed, _ = response_logprobs(tiny_policy.model, batch, tiny_policy.blocked, 1.0)
+    torch.testing.assert_close(recomputed, batch.rollout_logprobs, atol=1e-5, rtol=0)

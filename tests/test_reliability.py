@@ -389,3 +389,51 @@ def test_background_checkpoints_equal_synchronous_ones_and_a_kill_while_sealing_
         wa, wb = load_file(a / "model" / "model.safetensors"), load_file(b / "model" / "model.safetensors")
         assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), step
         same_checkpoint_state(a, b, step)
+
+
+def _last_records(run: Path) -> dict[int, dict]:
+    """`async_prompts.jsonl`: each step's last record (a resumed run redoes the steps after its
+    checkpoint and appends their records again)."""
+    from mmrl.train.async_grpo import PROMPTS_LOG
+
+    records = [json.loads(line) for line in (run / PROMPTS_LOG).read_text().splitlines()]
+    return {r["step"]: r for r in records}
+
+
+def test_an_async_run_killed_while_sealing_a_checkpoint_loses_no_prompt_and_trains_none_twice(
+    mmrl_cache, tmp_path
+):
+    """The asynchronous mode, its generator one step ahead, killed while checkpoint 3 is sealed in
+    the background: the run resumes from checkpoint 2, re-issues the prompts that were in flight
+    there (counted), and over the whole lineage every prompt drawn is trained (or dropped or
+    filtered, counted) exactly once, or still in flight in the last checkpoint."""
+    args = [*SHORT, "trainer.total_steps=5", "trainer.checkpoint_every=1", "trainer.keep_last=2",
+            "trainer.mode=async", "algo.tis=token", "trainer.max_staleness=1",
+            "trainer.async_call_prompts=1", "trainer.async_checkpoint=true"]  # fmt: skip
+    run = tmp_path / "async"
+    command = [sys.executable, "-c", KILL_WHILE_SEALING, "train", *args, f"trainer.run_dir={run}"]
+    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1", MMRL_TEST_KILL_IN=".tmp_step_00000003")
+    killed = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert find_resume_checkpoint(run).step == 2
+    at_two = torch.load(run / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
+    in_flight_at_two = [k[0] for k in at_two["async_stream"]["in_flight"]]
+    assert in_flight_at_two  # the generator had run ahead: prompts drawn, not trained
+
+    resumed = subprocess.run([*command, "--resume", "auto"], env={**env, "MMRL_TEST_KILL_IN": "never"},
+                             capture_output=True, text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "step_00000002" in resumed.stderr
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = [m for m in metrics if m.get("step") == 5 and "async/reissued_total" in m][-1]
+    assert last["async/reissued_total"] == len(in_flight_at_two)
+
+    records = _last_records(run)
+    assert sorted(records) == [1, 2, 3, 4, 5]
+    assert records[3]["trained"][: len(in_flight_at_two)] == in_flight_at_two  # re-issued first
+    used = [d for r in records.values() for d in r["trained"] + r["dropped"] + r["filtered"]]
+    assert len(used) == len(set(used)), "a prompt was trained twice"
+    final = torch.load(run / "checkpoints" / "step_00000005" / "trainer_state.pt", weights_only=False)
+    still = {k[0] for k in final["async_stream"]["in_flight"]}
+    drawn = final["async_stream"]["sampler"]["drawn"]
+    assert set(used) | still == set(range(drawn)) and not set(used) & still, "a prompt was lost"

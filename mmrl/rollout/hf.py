@@ -1082,4 +1082,7 @@ def concat_rollouts(chunks: list[RolloutBatch], pad_token_id: int) -> RolloutBat
         trajectories=[t for c in chunks for t in (c.trajectories or [Trajectory()] * len(c))]
         if multi
         else None,
+        token_versions=torch.cat([pad_right(c.token_versions, R, -1) for c in chunks])
+        if all(c.token_versions is not None for c in chunks)
+        else None,
     )

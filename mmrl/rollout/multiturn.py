@@ -70,18 +70,37 @@ class _Row:
     state: dict[str, Any] = field(default_factory=dict)
     session: Any = None
     """The trajectory's own environment instance (`mmrl.environments.EnvSession`), if it acts in one."""
+    versions: list[int] = field(default_factory=list)
+    """Per token of `ids`: the policy version that sampled it (-1 on observations); partial
+    rollouts only (`Interrupt`)."""
+    turn_ids: list[int] = field(default_factory=list)
+    """The current model turn's tokens so far (a partial rollout continues a turn in chunks)."""
 
-    def add_turn(self, ids: list[int], logprobs: list[float], text: str) -> None:
+    def add_turn(self, ids: list[int], logprobs: list[float], text: str, version: int = -1) -> None:
         self.ids += ids
         self.model += [1] * len(ids)
         self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+        self.turn_ids = list(ids)
         self.info.turn_texts.append(text)
         self.info.messages.append({"role": "assistant", "content": text})
+
+    def extend_turn(self, ids: list[int], logprobs: list[float], text: str, version: int) -> None:
+        """The next chunk of the current turn (a partial rollout: sampled after a weight update);
+        `text` is the whole turn's."""
+        self.ids += ids
+        self.model += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+        self.turn_ids += ids
+        self.info.turn_texts[-1] = text
+        self.info.messages[-1]["content"] = text
 
     def add_observation(self, ids: list[int], images: list[Image.Image], messages: list[dict]) -> None:
         self.ids += ids
         self.model += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
         self.images += images
         self.info.images += images
         self.info.observation_tokens += len(ids)
@@ -90,6 +109,19 @@ class _Row:
     def end(self, reason: str) -> None:
         self.done = True
         self.info.termination = reason
+
+
+@dataclass
+class Interrupt:
+    """Partial rollouts (asynchronous mode, `trainer.partial_rollout`): each model turn is
+    generated in chunks of `chunk` tokens; between chunks `refresh()` loads the newest published
+    weights into the engine (if newer) and returns the version it holds, and the unfinished turns
+    go on from their tokens so far with those weights (their kept key/value caches dropped, so
+    the prefix is recomputed by the new weights). Every token records the version that sampled
+    it and its log-prob under that version (`RolloutBatch.token_versions`, `rollout_logprobs`)."""
+
+    chunk: int
+    refresh: Callable[[], int]
 
 
 def uses_tools(samples: list[Sample]) -> bool:
@@ -108,14 +140,19 @@ def generate_trajectories(
     params: Any,
     agent: AgentConfig,
     on_response: Callable[[int, str], None] | None = None,
+    interrupt: Interrupt | None = None,
 ) -> RolloutBatch:
     """G = params.n trajectories per sample, prompt-major rows as `engine.generate` lays them out.
 
     `params.max_new_tokens` bounds each model turn, `agent` (and each sample's own `agent`
     field) the trajectory. `on_response(row, final_text)` is called as each trajectory ends, so
-    its verifier can start while the others go on."""
-    if not uses_tools(samples) or getattr(engine, "runs_trajectories", False):
+    its verifier can start while the others go on. `interrupt`: partial rollouts (single-turn
+    samples too then go through this loop, one turn in several chunks)."""
+    tools = uses_tools(samples)
+    if interrupt is None and (not tools or getattr(engine, "runs_trajectories", False)):
         return engine.generate(samples, params, on_response=on_response)  # (Ray: each worker loops)
+    if interrupt is not None and getattr(engine, "runs_trajectories", False):
+        raise ValueError("partial rollouts need the engine in this process (not the Ray rollout workers)")
     processor = engine.processor
     if any(s.agent is not None and s.agent.tools for s in samples):
         ensure_tool_template(processor)  # (a Qwen2-VL checkpoint's own template has no tool section)
@@ -128,13 +165,19 @@ def generate_trajectories(
     sessions = open_sessions(samples, params.n, agent)
     if sessions is not None:
         samples = sessions.samples
-    # turn 1: the single-turn path, prompts shared
-    first = (
-        engine.generate(samples, params, turns=turns)
-        if turns is not None
-        else engine.generate(samples, params)
+    # turn 1: the single-turn path, prompts shared (with `interrupt`, its first chunk)
+    version = interrupt.refresh() if interrupt is not None else -1
+    first_params = (
+        params
+        if interrupt is None
+        else _with_max_new_tokens(params, min(interrupt.chunk, params.max_new_tokens))
     )
-    rows = [_start_row(first, r, agent) for r in range(len(first))]
+    first = (
+        engine.generate(samples, first_params, turns=turns)
+        if turns is not None
+        else engine.generate(samples, first_params)
+    )
+    rows = [_start_row(first, r, agent, None if tools else params.max_new_tokens) for r in range(len(first))]
     if sessions is not None:
         for row, failed in sessions.attach(rows):
             row.info.env_errors[failed] = (
@@ -146,23 +189,31 @@ def generate_trajectories(
     for r, row in enumerate(rows):
         seg = first.response_mask[r].bool()
         row.add_turn(
-            first.response_ids[r][seg].tolist(), first.rollout_logprobs[r][seg].tolist(), first.texts[r]
+            first.response_ids[r][seg].tolist(),
+            first.rollout_logprobs[r][seg].tolist(),
+            first.texts[r],
+            version,
         )
         row.truncated = bool(first.truncated[r])
         if row.done:
             _finish(row, r, on_response, turns)
     while True:
-        # a. Which trajectories go on: a turn that ended on its stop token with a tool call.
+        # a. Which trajectories go on: a turn that ended on its stop token with a tool call, or
+        # (partial rollouts) a turn cut at its chunk with tokens left, which goes on as it is.
         pending: list[tuple[int, Any]] = []  # (row, its last turn's parsed calls)
+        resumed: list[int] = []
         for r, row in enumerate(rows):
             if row.done:
+                continue
+            if interrupt is not None and row.truncated and _turn_room(row, params) > 0:
+                resumed.append(r)
                 continue
             turn = _next_calls(row, agent)
             if turn is None:
                 _finish(row, r, on_response, turns)
             else:
                 pending.append((r, turn))
-        if not pending:
+        if not pending and not resumed:
             break
         # b. The tools, every trajectory's calls at once, and the environments' steps, every
         # trajectory's at once (on this side, under time limits). An environment that ended
@@ -191,36 +242,76 @@ def generate_trajectories(
                 going.append(r)
             if row.done:
                 _finish(row, r, on_response, turns)
-        if not going:
+        if not going and not resumed:
             continue
-        # d. The next model turn of every trajectory that goes on (prefilled from its ids).
-        turn_params = _with_max_new_tokens(
-            params, min(params.max_new_tokens, max(rows[r].max_tokens - len(rows[r].ids) for r in going))
-        )
-        kept = {"turns": turns, "keys": going} if turns is not None else {}
+        # d. The next model turn of every trajectory that goes on (prefilled from its ids), and
+        # the next chunk of each cut turn, after the newest weights are loaded.
+        if interrupt is not None:
+            newer = interrupt.refresh()
+            if newer != version and turns is not None:
+                for r in resumed + going:  # kept caches hold the old weights' keys and values
+                    turns.drop(r)
+            version = newer
+        chunk = interrupt.chunk if interrupt is not None else params.max_new_tokens
+        allowed = {r: min(chunk, params.max_new_tokens, rows[r].max_tokens - len(rows[r].ids)) for r in going}
+        allowed.update({r: min(chunk, _turn_room(rows[r], params)) for r in resumed})
+        continuing = resumed + going
+        turn_params = _with_max_new_tokens(params, max(allowed.values()))
+        kept = {"turns": turns, "keys": continuing} if turns is not None else {}
         outs = engine.continue_rows(
-            [rows[r].prompt_ids + rows[r].ids for r in going], [rows[r].images for r in going], turn_params,
-            **kept,
+            [rows[r].prompt_ids + rows[r].ids for r in continuing], [rows[r].images for r in continuing],
+            turn_params, **kept,
         )  # fmt: skip
-        for r, (ids, logprobs, truncated) in zip(going, outs):
+        for r, (ids, logprobs, truncated) in zip(continuing, outs):
             row = rows[r]
-            room = row.max_tokens - len(row.ids)
-            cut = len(ids) > room
-            ids, logprobs = ids[:room], logprobs[:room]
-            row.add_turn(ids, logprobs, processor.tokenizer.decode(ids, skip_special_tokens=True))
-            row.info.turns += 1
+            cut = len(ids) > allowed[r]
+            ids, logprobs = ids[: allowed[r]], logprobs[: allowed[r]]
+            if r in resumed:
+                whole = row.turn_ids + ids
+                row.extend_turn(
+                    ids, logprobs, processor.tokenizer.decode(whole, skip_special_tokens=True), version
+                )
+            else:
+                row.add_turn(
+                    ids, logprobs, processor.tokenizer.decode(ids, skip_special_tokens=True), version
+                )
+                row.info.turns += 1
             row.truncated = truncated or cut
     _release(rows)
     if sessions is not None:
         sessions.close()
-    batch = assemble(first, rows, processor, engine.pad_token_id, agent, seen)
+    # (single-turn responses cut at the length limit are scored as the one-turn path scores them)
+    shaped = agent if tools else dataclasses.replace(agent, over_limit="score")
+    batch = assemble(first, rows, processor, engine.pad_token_id, shaped, seen)
     batch.group_size = params.n
+    if interrupt is not None:  # each model token's version (observations -1)
+        batch.token_versions = _versions(rows, batch.response_ids.shape[1]).to(batch.device)
+    if interrupt is not None and not tools:  # single-turn responses: no observations, no trajectories
+        batch.observation_mask, batch.trajectories = None, None
     return batch
 
 
-def _start_row(first: RolloutBatch, r: int, agent: AgentConfig) -> _Row:
+def _turn_room(row: _Row, params: Any) -> int:
+    """Tokens the current model turn may still take (a partial rollout's cut turn goes on)."""
+    return min(params.max_new_tokens - len(row.turn_ids), row.max_tokens - len(row.ids))
+
+
+def _start_row(
+    first: RolloutBatch, r: int, agent: AgentConfig, single_turn_tokens: int | None = None
+) -> _Row:
+    """The trajectory of row `r`; `single_turn_tokens`: a batch without tools (partial rollouts),
+    one turn of at most that many tokens."""
     sample = first.samples[r]
     spec = sample.agent
+    if single_turn_tokens is not None:
+        return _Row(
+            sample=sample,
+            prompt_ids=first.prompt_ids[r][first.prompt_mask[r].bool()].tolist(),
+            images=sample.pil_images(),
+            max_turns=1,
+            max_tokens=single_turn_tokens,
+            max_images=0,
+        )
     return _Row(
         sample=sample,
         prompt_ids=first.prompt_ids[r][first.prompt_mask[r].bool()].tolist(),
@@ -560,6 +651,15 @@ def assemble(
         observation_mask=observation.to(device),
         trajectories=[row.info for row in rows],
     )
+
+
+def _versions(rows: list[_Row], width: int) -> torch.Tensor:
+    """[N, width] each token's sampling version (-1 on observations and padding)."""
+    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        if row.versions:
+            out[r, : len(row.versions)] = torch.tensor(row.versions, dtype=torch.long)
+    return out
 
 
 # -- rewards and metrics ------------------------------------------------------------------------

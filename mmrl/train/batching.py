@@ -81,6 +81,7 @@ def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
         vision_layout=layout.rows(rows),
         observation_mask=None if batch.observation_mask is None else batch.observation_mask[index],
         trajectories=None if batch.trajectories is None else [batch.trajectories[r] for r in rows],
+        token_versions=None if batch.token_versions is None else batch.token_versions[index],
     )
 
 

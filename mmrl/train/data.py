@@ -112,27 +112,49 @@ class PromptSampler:
         self.order = self.rng.permutation(len(samples))
         self.cursor = 0
         self.cot_pool = tuple(cot_pool)
+        self.drawn = 0
+        """Prompts drawn so far, over all epochs (a draw's number names it: `draw`)."""
 
     def state_dict(self) -> dict:
-        """Where the sampler is: its random generator, the epoch's order and the cursor."""
-        return {"rng": self.rng.bit_generator.state, "order": self.order.tolist(), "cursor": self.cursor}
+        """Where the sampler is: its random generator, the epoch's order, the cursor and the
+        number of draws."""
+        return {
+            "rng": self.rng.bit_generator.state,
+            "order": self.order.tolist(),
+            "cursor": self.cursor,
+            "drawn": self.drawn,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.rng.bit_generator.state = state["rng"]
         self.order = np.asarray(state["order"])
         self.cursor = int(state["cursor"])
+        self.drawn = int(state.get("drawn", 0))  # (checkpoints before draws were numbered: 0)
 
-    def next(self, n: int) -> list[Sample]:
+    def draw(self, n: int) -> list[tuple[int, int, int]]:
+        """The next `n` prompts as keys `(draw number, sample index, CoT instruction index or
+        -1)`: what `sample(key)` turns back into the prompt, on this run or a resumed one."""
         out = []
         while len(out) < n:
             if self.cursor == len(self.order):
                 self.order, self.cursor = self.rng.permutation(len(self.samples)), 0
-            sample = self.samples[self.order[self.cursor]]
+            index = int(self.order[self.cursor])
             self.cursor += 1
-            if self.cot_pool and sample.ability == "math":
-                sample = with_instruction(sample, self.cot_pool[int(self.rng.integers(len(self.cot_pool)))])
-            out.append(sample)
+            cot = -1
+            if self.cot_pool and self.samples[index].ability == "math":
+                cot = int(self.rng.integers(len(self.cot_pool)))
+            out.append((self.drawn, index, cot))
+            self.drawn += 1
         return out
+
+    def sample(self, key: tuple[int, int, int]) -> Sample:
+        """The prompt a `draw` key names."""
+        _, index, cot = key
+        sample = self.samples[index]
+        return sample if cot < 0 else with_instruction(sample, self.cot_pool[cot])
+
+    def next(self, n: int) -> list[Sample]:
+        return [self.sample(key) for key in self.draw(n)]
 
 
 def cot_pool(cfg: Config) -> tuple[str, ...]:

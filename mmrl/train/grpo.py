@@ -58,6 +58,7 @@ from mmrl.rewards.config import accelerator_device
 from mmrl.rewards.placement import RewardPlacement
 from mmrl.rollout.hf import HFRolloutEngine, SamplingParams, concat_rollouts
 from mmrl.rollout.multiturn import (
+    Interrupt,
     generate_trajectories,
     shape_results,
     tokenization_drift,
@@ -1183,11 +1184,17 @@ class DeferredRewards:
 
 
 def generate_and_score(
-    cfg: Config, t: Trainee, samples: list, context: VerifyContext, defer: bool = False
+    cfg: Config,
+    t: Trainee,
+    samples: list,
+    context: VerifyContext,
+    defer: bool = False,
+    interrupt: Interrupt | None = None,
 ) -> tuple[RolloutBatch, RewardBatch | DeferredRewards, float]:
     """G responses per sample, each handed to the router the moment it is finished. With
     `defer`, the rewards are returned still being computed (`DeferredRewards`), so that other
-    work can go on while the last responses are scored."""
+    work can go on while the last responses are scored. `interrupt`: partial rollouts (the
+    asynchronous mode's generators)."""
     G = cfg.rollout.group_size
     params = SamplingParams(
         n=G, temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens
@@ -1195,7 +1202,9 @@ def generate_and_score(
     rows = [s for s in samples for _ in range(G)]
     pending = t.router.start(context, len(rows))
     on_response = (lambda r, text: pending.add(r, rows[r], text)) if overlap_rewards(cfg) else None
-    batch = generate_trajectories(t.engine, samples, params, cfg.agent, on_response=on_response)
+    batch = generate_trajectories(
+        t.engine, samples, params, cfg.agent, on_response=on_response, interrupt=interrupt
+    )
     deferred = DeferredRewards(pending, batch, t.reward_models, cfg.agent)
     if defer:
         return batch, deferred, 0.0
