@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 
 # The garbage collector stays off while the test process imports torch, transformers and every
 # test module (its full passes over that growing heap were a third of the 10.6 CPU-seconds a
@@ -188,3 +189,26 @@ def pytest_configure(config) -> None:
     _THREADS = torch.get_num_threads()
     if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
         _settle_heap()  # the xdist controller, which collects nothing: its imports are done
+
+
+def assert_no_prompt_lost_or_trained_twice(run: Path, steps: int) -> dict[int, dict]:
+    """An asynchronous run's lineage (`async_prompts.jsonl`, each step's last record: a resumed
+    run redoes the steps after its checkpoint): every prompt drawn was trained, dropped or
+    filtered exactly once, or is still in flight in the last checkpoint (step `steps`). Returns
+    the records by step."""
+    import json
+
+    from mmrl.train.async_grpo import PROMPTS_LOG
+
+    records = {}
+    for line in (run / PROMPTS_LOG).read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = record
+    assert sorted(records) == list(range(1, steps + 1))
+    used = [d for r in records.values() for d in r["trained"] + r["dropped"] + r["filtered"]]
+    assert len(used) == len(set(used)), "a prompt was trained twice"
+    final = torch.load(run / "checkpoints" / f"step_{steps:08d}" / "trainer_state.pt", weights_only=False)
+    still = {k[0] for k in final["async_stream"]["in_flight"]}
+    drawn = final["async_stream"]["sampler"]["drawn"]
+    assert set(used) | still == set(range(drawn)) and not set(used) & still, "a prompt was lost"
+    return records

@@ -396,3 +396,79 @@ print(child.pid, flush=True)
         assert child.status() != psutil.STATUS_ZOMBIE and "removed" not in done.stderr
     finally:
         child.kill()
+
+
+KILL_A_ROLLOUT_WORKER = '''
+"""Loaded by each rollout worker (agent.plugins): the first worker to find the trigger file SIGKILLs
+itself at its next call."""
+import os, signal
+from mmrl.distributed import actors
+
+TRIGGER = {trigger!r}
+_generate = actors.RolloutWorker.generate
+
+
+def generate(self, samples, params):
+    try:
+        os.remove(TRIGGER)  # only one worker wins the file
+    except FileNotFoundError:
+        return _generate(self, samples, params)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+actors.RolloutWorker.generate = generate
+'''
+
+
+def test_an_async_run_whose_rollout_worker_is_killed_resumes_with_no_prompt_lost_or_trained_twice(
+    local_ray, model_dir, tmp_path, monkeypatch
+):
+    """The asynchronous mode on Ray, two rollout workers: one is SIGKILLed after checkpoint 2.
+    The run stops naming the dead worker; resumed, it re-issues the prompts that were in flight at
+    checkpoint 2 (counted), and over the lineage every prompt drawn is trained exactly once or
+    still in flight at the end."""
+    import threading
+    import time
+
+    from tests.conftest import assert_no_prompt_lost_or_trained_twice
+
+    plugins, trigger = tmp_path / "plugins", tmp_path / "kill-now"
+    plugins.mkdir()
+    (plugins / "kill_rollout.py").write_text(KILL_A_ROLLOUT_WORKER.format(trigger=str(trigger)))
+    monkeypatch.syspath_prepend(str(plugins))
+    monkeypatch.setenv("PYTHONPATH", str(plugins) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = tmp_path / "run"
+    overrides = [
+        *SMALL, f"model.path={model_dir}", f"trainer.run_dir={run}", "trainer.total_steps=5",
+        "trainer.checkpoint_every=1", "trainer.eval_every=5", "trainer.backend=ray", "trainer.mode=async",
+        "trainer.max_staleness=1", "algo.tis=token", "trainer.rollout_workers=2",
+        "trainer.async_call_prompts=1", "trainer.ray_cpus_per_actor=0.5", "agent.plugins=[kill_rollout]",
+    ]  # fmt: skip
+    failed: list[BaseException] = []
+
+    def first_run():
+        try:
+            train(load_config("vision_reasoning", overrides=overrides))
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            failed.append(exc)
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    manifest = run / "checkpoints" / "step_00000002" / "manifest.json"
+    start = time.monotonic()
+    while not manifest.exists() and thread.is_alive() and time.monotonic() - start < 600:  # a hang guard
+        time.sleep(0.05)
+    assert manifest.exists(), failed
+    trigger.touch()
+    thread.join(600)
+    assert not thread.is_alive() and failed, "the run went on without its rollout worker"
+    assert "rollout" in str(failed[0]) and "died" in str(failed[0]), failed[0]
+    assert not trigger.exists()  # a worker took it
+    at_two = torch.load(run / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
+    in_flight_at_two = [k[0] for k in at_two["async_stream"]["in_flight"]]
+
+    result = train(load_config("vision_reasoning", overrides=[*overrides, "trainer.resume=auto"]))
+    assert result.steps == 5 and not result.interrupted
+    last = [r for r in _records(run) if r.get("step") == 5 and "async/reissued_total" in r][-1]
+    assert last["async/reissued_total"] == len(in_flight_at_two) > 0
+    assert_no_prompt_lost_or_trained_twice(run, steps=5)

@@ -20,7 +20,7 @@ from mmrl.datasets.procedural import make_samples
 from mmrl.datasets.readers import write_jsonl
 from mmrl.train.checkpoint import find_resume_checkpoint, list_checkpoints
 from mmrl.train.grpo import train
-from tests.conftest import same_checkpoint_state
+from tests.conftest import assert_no_prompt_lost_or_trained_twice, same_checkpoint_state
 
 pytestmark = pytest.mark.slow
 
@@ -391,15 +391,6 @@ def test_background_checkpoints_equal_synchronous_ones_and_a_kill_while_sealing_
         same_checkpoint_state(a, b, step)
 
 
-def _last_records(run: Path) -> dict[int, dict]:
-    """`async_prompts.jsonl`: each step's last record (a resumed run redoes the steps after its
-    checkpoint and appends their records again)."""
-    from mmrl.train.async_grpo import PROMPTS_LOG
-
-    records = [json.loads(line) for line in (run / PROMPTS_LOG).read_text().splitlines()]
-    return {r["step"]: r for r in records}
-
-
 def test_an_async_run_killed_while_sealing_a_checkpoint_loses_no_prompt_and_trains_none_twice(
     mmrl_cache, tmp_path
 ):
@@ -428,12 +419,5 @@ def test_an_async_run_killed_while_sealing_a_checkpoint_loses_no_prompt_and_trai
     last = [m for m in metrics if m.get("step") == 5 and "async/reissued_total" in m][-1]
     assert last["async/reissued_total"] == len(in_flight_at_two)
 
-    records = _last_records(run)
-    assert sorted(records) == [1, 2, 3, 4, 5]
+    records = assert_no_prompt_lost_or_trained_twice(run, steps=5)
     assert records[3]["trained"][: len(in_flight_at_two)] == in_flight_at_two  # re-issued first
-    used = [d for r in records.values() for d in r["trained"] + r["dropped"] + r["filtered"]]
-    assert len(used) == len(set(used)), "a prompt was trained twice"
-    final = torch.load(run / "checkpoints" / "step_00000005" / "trainer_state.pt", weights_only=False)
-    still = {k[0] for k in final["async_stream"]["in_flight"]}
-    drawn = final["async_stream"]["sampler"]["drawn"]
-    assert set(used) | still == set(range(drawn)) and not set(used) & still, "a prompt was lost"
