@@ -118,12 +118,26 @@ def test_the_builtin_task_trains_on_ray_with_the_local_backends_metrics_and_run_
         assert torch.equal(final[key].float(), value.float()), key
 
 
-def test_the_asynchronous_mode_runs_on_ray_one_step_ahead(local_ray, model_dir, tmp_path):
+def _no_weights_through_the_object_store(monkeypatch) -> None:
+    """`ray.put` of a dict of tensors (a state dict) fails the run: weights go over the channel."""
+    put = ray.put
+
+    def guarded(value, *args, **kwargs):
+        if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+            raise AssertionError(f"a state dict went through Ray's object store: {sorted(value)[:3]}")
+        return put(value, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "put", guarded)
+
+
+def test_the_asynchronous_mode_runs_on_ray_one_step_ahead(local_ray, model_dir, tmp_path, monkeypatch):
     """`trainer.mode=async` on Ray (`max_staleness=1`): one generator thread per rollout worker has
     its worker generate and the reward workers score groups into the queue while the group trains
     on those that completed: every trained token is at most one version behind the policy it
     updates, and some are one behind. The group's recomputed (proximal) log-probs then differ
-    from the workers' (stale) ones, and TIS corrects for it; at step 1 they agree."""
+    from the workers' (stale) ones, and TIS corrects for it; at step 1 they agree. The weights
+    travel over the weight channel (a gloo group), never through Ray's object store."""
+    _no_weights_through_the_object_store(monkeypatch)
     result = train(
         load_config(
             "vision_reasoning",

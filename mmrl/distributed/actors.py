@@ -110,6 +110,19 @@ class RolloutWorker:
                                f"unexpected {sorted(unexpected)[:5]}")  # fmt: skip
         self.engine.load_weights(state_dict)
 
+    def join_channel(self, address: str, rank: int, world: int) -> None:
+        """Join the run's weight channel (`mmrl.distributed.weight_channel`) as `rank`."""
+        from mmrl.distributed.weight_channel import ChannelEnd
+
+        self.channel = ChannelEnd(address, rank, world)
+
+    def receive_weights(self, layout: Any, adapters: bool = False) -> None:
+        """New weights from the driver over the weight channel (`layout` says what comes)."""
+        state_dict = self.channel.recv(layout, 0)
+        if state_dict is None:
+            raise RuntimeError("the driver reported a failure instead of sending the weights")
+        self.load_weights(state_dict, adapters)
+
     def rng_state(self) -> dict[str, Any]:
         """The sampling generators' state (a checkpoint's, to resume exactly)."""
         from mmrl.train.checkpoint import rng_state
@@ -149,6 +162,7 @@ class TrainWorker:
         if threads > 0:
             torch.set_num_threads(threads)
         self.learner = None
+        self.channel = None  # the weight channel (rank 0 of the group only)
 
     def address(self) -> str:
         """A rendezvous address on this node (rank 0's)."""
@@ -167,6 +181,24 @@ class TrainWorker:
 
     def call(self, method: str, *args):
         return getattr(self.learner, method)(*args)
+
+    def join_channel(self, address: str, rank: int, world: int) -> None:
+        """Join the run's weight channel as `rank` (the group's rank 0 does)."""
+        from mmrl.distributed.weight_channel import ChannelEnd
+
+        self.channel = ChannelEnd(address, rank, world)
+
+    def send_state(self, layout: Any, trainable_only: bool, dst: int) -> None:
+        """The policy's gathered weights (every process takes part; rank 0, on the channel, sends
+        them to rank `dst`); a failure is sent as such, so the receiver stops waiting."""
+        try:
+            state = self.learner.full_state_dict(trainable_only)
+        except BaseException as exc:
+            if self.channel is not None:
+                self.channel.send(None, dst, layout, error=repr(exc))
+            raise
+        if self.channel is not None:
+            self.channel.send(state, dst, layout)
 
     def host_memory(self, reset_peak: bool = False) -> dict[str, int]:
         """This process's resident set and its high-water mark, in bytes (Linux `/proc`);

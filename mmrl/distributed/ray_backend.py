@@ -66,6 +66,7 @@ from mmrl.config import Config
 from mmrl.distributed.actors import RolloutWorker, TrainWorker, lora_sync, ray_module
 from mmrl.distributed.reward_worker import RewardWorker
 from mmrl.distributed.training_group import merge_metrics
+from mmrl.distributed.weight_channel import ChannelEnd, Layout, free_address, layout_of
 from mmrl.models.adapters import apply_lora, is_lora, merged_state_dict, param_groups
 from mmrl.models.loading import Policy
 from mmrl.rollout.hf import SamplingParams, concat_rollouts
@@ -121,9 +122,25 @@ class RolloutPool:
     """Each worker runs the multi-turn loop itself, its tools on its own side
     (`RolloutWorker.generate`): a batch comes back with its trajectories whole."""
 
-    def __init__(self, ray, workers: list, names: list[str], pad_token_id: int):
+    def __init__(
+        self,
+        ray,
+        workers: list,
+        names: list[str],
+        pad_token_id: int,
+        channel: ChannelEnd | None = None,
+        ranks: list[int] | None = None,
+    ):
         self.ray, self.workers, self.names, self.pad_token_id = ray, workers, names, pad_token_id
+        self.channel = channel
+        """The weight channel (None: weights go through Ray's object store, a unit test's pool)."""
+        self.ranks = ranks if ranks is not None else [1 + k for k in range(len(workers))]
         self._facts: list[dict[str, float]] = []  # each worker's engine facts of the last `generate`
+
+    def part(self, k: int) -> RolloutPool:
+        """A pool of worker `k` alone (an asynchronous generator's), on the same channel."""
+        return RolloutPool(self.ray, [self.workers[k]], [self.names[k]], self.pad_token_id, self.channel,
+                           [self.ranks[k]])  # fmt: skip
 
     def generate(self, samples: list[Sample], params: SamplingParams, on_response=None) -> RolloutBatch:
         """`on_response(row, text)` is called for each row of a worker's part as soon as that
@@ -150,8 +167,19 @@ class RolloutPool:
         return batch
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], adapters: bool = False) -> None:
-        ref = self.ray.put(state_dict)  # one copy in the object store, read by every worker
-        _get(self.ray, [w.load_weights.remote(ref, adapters) for w in self.workers], self.names)
+        """The weights to every worker over the weight channel (each receives while the next is
+        sent to); without a channel, through Ray's object store."""
+        if self.channel is None:
+            ref = self.ray.put(state_dict)
+            _get(self.ray, [w.load_weights.remote(ref, adapters) for w in self.workers], self.names)
+            return
+        layout = layout_of(state_dict)
+        refs = [w.receive_weights.remote(layout, adapters) for w in self.workers]
+        try:
+            for rank in self.ranks:
+                self.channel.send(state_dict, rank, layout)
+        finally:
+            _get(self.ray, refs, self.names)
 
     def rollout_metrics(self) -> dict[str, float]:
         """The local engine's rollout facts over the workers of the last `generate`: whether LoRA
@@ -413,6 +441,18 @@ class RayTrainingGroup:
     def full_state_dict(self, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         return self.call("full_state_dict", trainable_only)[0]
 
+    def receive_state(
+        self, channel: ChannelEnd, layout: Layout, trainable_only: bool
+    ) -> dict[str, torch.Tensor]:
+        """The policy's weights, gathered by every process and sent by rank 0 over the weight
+        channel (`layout`: what the driver's copy holds, in its dtypes)."""
+        refs = [w.send_state.remote(layout, trainable_only, 0) for w in self.workers]
+        state = channel.recv(layout, channel.world - 1)
+        _get(self.ray, refs, self.names)  # (a failure the sender reported is raised here)
+        if state is None:
+            raise RuntimeError("the training group sent no weights")
+        return state
+
     def optimizer_state_dict(self) -> dict:
         return self.call("optimizer_state_dict")[0]
 
@@ -535,9 +575,12 @@ class RayTrainee(Trainee):
         self.push_weights()
 
     def pull_weights(self) -> None:
-        """The group's weights into the driver's copy (LoRA: the adapters only)."""
+        """The group's weights into the driver's copy (LoRA: the adapters only), over the weight
+        channel."""
         lora = is_lora(self.policy.model)
-        state = self.group.full_state_dict(trainable_only=lora)
+        own = self.policy.model.state_dict()
+        wanted = {k: v for k, v in own.items() if ".lora_" in k} if lora else own
+        state = self.group.receive_state(self.engine.channel, layout_of(wanted), lora)
         if lora:  # every adapter weight, nothing else
             own = {k for k in self.policy.model.state_dict() if ".lora_" in k}
             if set(state) != own:
@@ -660,8 +703,8 @@ def make_ray_async_trainee(cfg: Config, policy: Policy, run_dir: Path | None = N
     a = RayAsyncTrainee(**{f.name: getattr(t, f.name) for f in dataclasses.fields(RayTrainee) if f.init})
     pool = t.engine
     generators = []
-    for worker, name in zip(pool.workers, pool.names):
-        own = RolloutPool(pool.ray, [worker], [name], pool.pad_token_id)
+    for k in range(len(pool.workers)):
+        own = pool.part(k)
         generating = Trainee(**{f.name: getattr(t, f.name) for f in dataclasses.fields(Trainee) if f.init})
         generating.engine = own
         generators.append(scoring_generator(cfg, generating, lambda _weights, own=own: a.send_newest(own)))
@@ -785,6 +828,23 @@ def ray_composition(cfg: Config) -> Composition:
     return Composition(make_trainee=make_ray_trainee, step=grpo_step)
 
 
+def open_channel(ray, rollout: list, rollout_names: list[str], trainer, trainer_name: str) -> ChannelEnd:
+    """The run's weight channel: the driver (rank 0, here), rollout worker k (1 + k) and the
+    training group's rank 0 (the last), all joining at once."""
+    world = len(rollout) + 2
+    address = free_address()
+    refs = [w.join_channel.remote(address, 1 + k, world) for k, w in enumerate(rollout)]
+    refs.append(trainer.join_channel.remote(address, world - 1, world))
+    ends: list = []
+    joining = threading.Thread(target=lambda: ends.append(ChannelEnd(address, 0, world)), daemon=True)
+    joining.start()
+    _get(ray, refs, [*rollout_names, trainer_name])  # (an actor that fails to join is named here)
+    joining.join()
+    if not ends:
+        raise RuntimeError(f"the weight channel at {address} did not form")
+    return ends[0]
+
+
 def make_ray_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> RayTrainee:
     """Start the actors and wire them into a trainee; `policy` (loaded from its folder) stays
     on the driver as the copy that checkpoints and the final save read."""
@@ -809,6 +869,7 @@ def make_ray_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -
         _get(ray, [w.setup.remote(cfg, model_path, r, tr.train_workers, address) for r, w in enumerate(train)],
              train_names)  # fmt: skip
         _get(ray, [w.pid.remote() for w in rollout], rollout_names)  # started
+        channel = open_channel(ray, rollout, rollout_names, train[0], train_names[0])
         router = RayRouter(ray, lambda name, slot: cluster.start_reward_worker(cfg, slot),
                            cfg.reward.time_limit_s, n_workers=tr.reward_workers)  # fmt: skip
     except BaseException:
@@ -819,7 +880,7 @@ def make_ray_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -
     t = RayTrainee(
         policy=policy,
         reference=None,
-        engine=RolloutPool(ray, rollout, rollout_names, policy.pad_token_id),
+        engine=RolloutPool(ray, rollout, rollout_names, policy.pad_token_id, channel),
         router=router,
         optimizer=GroupOptimizerState(group),
         scheduler=ScheduleMirror([g["lr"] for g in param_groups(policy.model, cfg)], lr_lambda(cfg)),
