@@ -400,7 +400,7 @@ def test_an_async_run_killed_while_sealing_a_checkpoint_loses_no_prompt_and_trai
     filtered, counted) exactly once, or still in flight in the last checkpoint."""
     args = [*SHORT, "trainer.total_steps=5", "trainer.checkpoint_every=1", "trainer.keep_last=2",
             "trainer.mode=async", "algo.tis=token", "trainer.max_staleness=1",
-            "trainer.async_call_prompts=1", "trainer.async_checkpoint=true"]  # fmt: skip
+            "trainer.async_call_prompts=1", "trainer.async_checkpoint=true", "trainer.dump_steps=true"]  # fmt: skip
     run = tmp_path / "async"
     command = [sys.executable, "-c", KILL_WHILE_SEALING, "train", *args, f"trainer.run_dir={run}"]
     env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1", MMRL_TEST_KILL_IN=".tmp_step_00000003")
@@ -420,4 +420,11 @@ def test_an_async_run_killed_while_sealing_a_checkpoint_loses_no_prompt_and_trai
     assert last["async/reissued_total"] == len(in_flight_at_two)
 
     records = assert_no_prompt_lost_or_trained_twice(run, steps=5)
-    assert records[3]["trained"][: len(in_flight_at_two)] == in_flight_at_two  # re-issued first
+    after = [d for step in (3, 4, 5) for d in records[step]["trained"]]
+    assert after[: len(in_flight_at_two)] == in_flight_at_two  # re-issued first, in draw order
+    for step in range(1, 6):  # each dumped token's version, within the bound of its step
+        rows = [
+            json.loads(line) for line in (run / "dumps" / f"step_{step:06d}.jsonl").read_text().splitlines()
+        ]
+        versions = [v for row in rows for v in row["versions"]]
+        assert versions and all(step - 2 <= v <= step - 1 for v in versions), (step, sorted(set(versions)))

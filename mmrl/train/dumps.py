@@ -44,6 +44,8 @@ def write_step_dump(
                 "rollout_logprobs": batch.rollout_logprobs[i, :n].tolist(),
                 "old_logprobs": old_logprobs[i, :n].tolist(),
                 "ref_logprobs": None if ref_logprobs is None else ref_logprobs[i, :n].tolist(),
+                # asynchronous mode: the policy version that sampled each token
+                "versions": None if batch.token_versions is None else batch.token_versions[i, :n].tolist(),
                 "verifier_score": result.score,
                 "reward": float(scores[i]),
                 "components": result.components,
