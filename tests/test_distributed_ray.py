@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -412,77 +413,91 @@ print(child.pid, flush=True)
         child.kill()
 
 
-KILL_A_ROLLOUT_WORKER = '''
-"""Loaded by each rollout worker (agent.plugins): the first worker to find the trigger file SIGKILLs
-itself at its next call."""
+KILL_AN_ACTOR = '''
+"""sitecustomize for every process the Ray cluster starts (on PYTHONPATH): the first rollout
+worker (its next `generate`) or training process (its next call) to find its trigger file
+SIGKILLs itself."""
 import os, signal
-from mmrl.distributed import actors
 
 TRIGGER = {trigger!r}
-_generate = actors.RolloutWorker.generate
 
 
-def generate(self, samples, params):
-    try:
-        os.remove(TRIGGER)  # only one worker wins the file
-    except FileNotFoundError:
-        return _generate(self, samples, params)
-    os.kill(os.getpid(), signal.SIGKILL)
+def _patch():
+    from mmrl.distributed import actors
+
+    def killing(method, role):
+        def call(self, *args, **kwargs):
+            try:
+                os.remove(TRIGGER + "-" + role)  # only one process wins the file
+            except FileNotFoundError:
+                return method(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return call
+
+    actors.RolloutWorker.generate = killing(actors.RolloutWorker.generate, "rollout")
+    actors.TrainWorker.call = killing(actors.TrainWorker.call, "train")
 
 
-actors.RolloutWorker.generate = generate
+try:
+    _patch()
+except ImportError:  # (a process without mmrl)
+    pass
 '''
 
 
-def test_an_async_run_whose_rollout_worker_is_killed_resumes_with_no_prompt_lost_or_trained_twice(
-    local_ray, model_dir, tmp_path, monkeypatch
+@pytest.mark.parametrize("role", ["rollout", "train"])
+def test_an_async_run_whose_actor_is_killed_resumes_with_no_prompt_lost_or_trained_twice(
+    role, model_dir, tmp_path
 ):
-    """The asynchronous mode on Ray, two rollout workers: one is SIGKILLed after checkpoint 2.
-    The run stops naming the dead worker; resumed, it re-issues the prompts that were in flight at
+    """The asynchronous mode on Ray (`mmrl train` in a process of its own, with its own cluster),
+    two rollout workers: a rollout worker or the training process is SIGKILLed after checkpoint 2.
+    The run stops naming the dead actor; resumed, it re-issues the prompts that were in flight at
     checkpoint 2 (counted), and over the lineage every prompt drawn is trained exactly once or
     still in flight at the end."""
-    import threading
+    import subprocess
+    import sys
     import time
 
     from tests.conftest import assert_no_prompt_lost_or_trained_twice
 
     plugins, trigger = tmp_path / "plugins", tmp_path / "kill-now"
     plugins.mkdir()
-    (plugins / "kill_rollout.py").write_text(KILL_A_ROLLOUT_WORKER.format(trigger=str(trigger)))
-    monkeypatch.syspath_prepend(str(plugins))
-    monkeypatch.setenv("PYTHONPATH", str(plugins) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    (plugins / "sitecustomize.py").write_text(KILL_AN_ACTOR.format(trigger=str(trigger)))
+    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(plugins) + os.pathsep + os.environ.get("PYTHONPATH", ""))  # fmt: skip
+    env.pop("RAY_ADDRESS", None)
     run = tmp_path / "run"
-    overrides = [
+    args = [
         *SMALL, f"model.path={model_dir}", f"trainer.run_dir={run}", "trainer.total_steps=5",
         "trainer.checkpoint_every=1", "trainer.eval_every=5", "trainer.backend=ray", "trainer.mode=async",
         "trainer.max_staleness=1", "algo.tis=token", "trainer.rollout_workers=2",
-        "trainer.async_call_prompts=1", "trainer.ray_cpus_per_actor=0.5", "agent.plugins=[kill_rollout]",
+        "trainer.async_call_prompts=1", "trainer.ray_cpus_per_actor=0.5",
     ]  # fmt: skip
-    failed: list[BaseException] = []
-
-    def first_run():
-        try:
-            train(load_config("vision_reasoning", overrides=overrides))
-        except BaseException as exc:  # noqa: BLE001 - the test reads it
-            failed.append(exc)
-
-    thread = threading.Thread(target=first_run)
-    thread.start()
-    manifest = run / "checkpoints" / "step_00000002" / "manifest.json"
-    start = time.monotonic()
-    while not manifest.exists() and thread.is_alive() and time.monotonic() - start < 600:  # a hang guard
-        time.sleep(0.05)
-    assert manifest.exists(), failed
-    trigger.touch()
-    thread.join(600)
-    assert not thread.is_alive() and failed, "the run went on without its rollout worker"
-    assert "rollout" in str(failed[0]) and "died" in str(failed[0]), failed[0]
-    assert not trigger.exists()  # a worker took it
+    command = [sys.executable, "-m", "mmrl.cli", "train", *args]
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:  # (a file, not a pipe: Ray's processes may outlive the driver's read)
+        first = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        manifest = run / "checkpoints" / "step_00000002" / "manifest.json"
+        start = time.monotonic()
+        while not manifest.exists() and first.poll() is None and time.monotonic() - start < 600:  # hang guard
+            time.sleep(0.05)
+        assert manifest.exists(), log.read_text()[-3000:]
+        Path(f"{trigger}-{role}").touch()
+        code = first.wait(600)
+    text = log.read_text()
+    assert code != 0, f"the run went on without its {role} actor: {text[-3000:]}"
+    named = "rollout worker" if role == "rollout" else "training process"
+    assert named in text and "died" in text, text[-3000:]
+    assert not Path(f"{trigger}-{role}").exists()  # an actor took it
     at_two = torch.load(run / "checkpoints" / "step_00000002" / "trainer_state.pt", weights_only=False)
     in_flight_at_two = [k[0] for k in at_two["async_stream"]["in_flight"]]
 
-    result = train(load_config("vision_reasoning", overrides=[*overrides, "trainer.resume=auto"]))
-    assert result.steps == 5 and not result.interrupted
+    resumed = subprocess.run([*command, "--resume", "auto"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, timeout=900)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     last = [r for r in _records(run) if r.get("step") == 5 and "async/reissued_total" in r][-1]
     assert last["async/reissued_total"] == len(in_flight_at_two) > 0
     assert_no_prompt_lost_or_trained_twice(run, steps=5)
