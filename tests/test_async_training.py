@@ -85,7 +85,9 @@ class FakeGenerators:
 
 
 def run_trainer(stream: GroupStream, steps: int, B: int, delay_s: float) -> list:
-    """The trainer's loop: take B groups, 'train' (sleep), publish the next version."""
+    """The trainer's loop: take B groups, 'train', publish the next version. A slow trainer
+    (`delay_s` > 0) trains until the generators have filled the gate (bounded by WAIT_S: a
+    liveness guard), and at least `delay_s`."""
     stream.sampler = PromptSampler(prompts(50), seed=0)
     stream.start(stream.sampler, version=0, weights=0)
     taken = []
@@ -94,6 +96,12 @@ def run_trainer(stream: GroupStream, steps: int, B: int, delay_s: float) -> list
             t = stream.take(B, version=step - 1)
             taken.append((step, t))
             time.sleep(delay_s)
+            deadline = time.monotonic() + WAIT_S
+            while delay_s and time.monotonic() < deadline:
+                with stream._cond:
+                    if stream._room() <= 0:
+                        break
+                time.sleep(0.001)
             stream.publish(step, version=step)
     finally:
         stream.close()
@@ -167,8 +175,10 @@ def test_a_group_overtaken_past_the_bound_is_dropped_and_counted():
         release.set()
         stream.close()
     dropped = [k for t in taken for k in t.dropped]
-    assert [k[0] for k in dropped] == [0]
-    assert stream.totals()["dropped"] == 1
+    # group 0 is dropped; under load another group may fall behind too (each drop is a real one:
+    # `take` drops only groups more than the bound behind), and every drop is counted
+    assert 0 in [k[0] for k in dropped]
+    assert stream.totals()["dropped"] == len(dropped)
     assert 0 not in [g.key[0] for t in taken for g in t.groups]
     assert all(len(t.groups) == B for t in taken)
 
