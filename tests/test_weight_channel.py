@@ -89,6 +89,18 @@ def test_a_sender_whose_weights_do_not_fit_tells_the_receiver_and_raises(wrong):
     assert got == [None]  # it stopped waiting
 
 
+def test_fail_releases_a_waiting_receiver():
+    """What the driver sends the workers still waiting after a send to another one failed."""
+    sender, receiver = _ends(2)
+    layout = layout_of(_state())
+    got = []
+    t = threading.Thread(target=lambda: got.append(receiver.recv(layout, 0)))
+    t.start()
+    sender.fail(1, "worker 0 died")
+    t.join(WAIT_S)
+    assert got == [None]
+
+
 def test_point_to_point_between_three_ranks():
     """The driver (0) sends to a rollout worker (1) and receives from the trainer (2)."""
     driver, worker, trainer = _ends(3)

@@ -71,13 +71,7 @@ from mmrl.models.adapters import apply_lora, is_lora, merged_state_dict, param_g
 from mmrl.models.loading import Policy
 from mmrl.rollout.hf import SamplingParams, concat_rollouts
 from mmrl.router import RewardBatch
-from mmrl.train.async_grpo import (
-    GroupStream,
-    async_grpo_step,
-    make_stream,
-    scoring_generator,
-    stream_checkpoint_state,
-)
+from mmrl.train.async_grpo import Streaming, async_grpo_step, make_stream, scoring_generator
 from mmrl.train.grpo import Composition, Trainee, grpo_step, lr_lambda
 from mmrl.types import RolloutBatch, Sample, VerifierResult, VerifyContext
 
@@ -175,11 +169,16 @@ class RolloutPool:
             return
         layout = layout_of(state_dict)
         refs = [w.receive_weights.remote(layout, adapters) for w in self.workers]
-        try:
-            for rank in self.ranks:
+        for k, rank in enumerate(self.ranks):
+            try:
                 self.channel.send(state_dict, rank, layout)
-        finally:
-            _get(self.ray, refs, self.names)
+            except Exception as exc:
+                for later in self.ranks[k + 1 :]:  # they wait for a status: release them
+                    with contextlib.suppress(Exception):
+                        self.channel.fail(later, repr(exc))
+                _get(self.ray, refs[: k + 1], self.names[: k + 1])  # a dead worker is named here
+                raise RuntimeError(f"sending the weights to {self.names[k]} failed: {exc}") from exc
+        _get(self.ray, refs, self.names)
 
     def rollout_metrics(self) -> dict[str, float]:
         """The local engine's rollout facts over the workers of the last `generate`: whether LoRA
@@ -575,21 +574,14 @@ class RayTrainee(Trainee):
         self.push_weights()
 
     def pull_weights(self) -> None:
-        """The group's weights into the driver's copy (LoRA: the adapters only), over the weight
-        channel."""
+        """The group's weights into the driver's copy (LoRA: every adapter weight, nothing else),
+        over the weight channel. The layout asked for is the driver's own: the group's rank 0
+        refuses to send names or shapes that differ from it (`ChannelEnd.send`), saying which."""
         lora = is_lora(self.policy.model)
         own = self.policy.model.state_dict()
         wanted = {k: v for k, v in own.items() if ".lora_" in k} if lora else own
         state = self.group.receive_state(self.engine.channel, layout_of(wanted), lora)
-        if lora:  # every adapter weight, nothing else
-            own = {k for k in self.policy.model.state_dict() if ".lora_" in k}
-            if set(state) != own:
-                raise KeyError(
-                    f"the group's adapters do not match the driver's: {sorted(set(state) ^ own)[:5]}"
-                )
-            self.policy.model.load_state_dict(state, strict=False)
-        else:
-            self.policy.model.load_state_dict(state, strict=True)
+        self.policy.model.load_state_dict(state, strict=not lora)
 
     def push_weights(self, pool: RolloutPool | None = None) -> None:
         """The driver's weights to every rollout worker (of `pool`; default all): the whole model,
@@ -640,7 +632,7 @@ class RayTrainee(Trainee):
 
 
 @dataclasses.dataclass
-class RayAsyncTrainee(RayTrainee):
+class RayAsyncTrainee(Streaming, RayTrainee):
     """`trainer.mode=async` on Ray, fully asynchronous: one generator thread per rollout worker
     (`mmrl.train.async_grpo.GroupStream`), each having its worker generate and the reward
     workers score groups into the queue, on its own schedule, while the training group updates on
@@ -652,9 +644,6 @@ class RayAsyncTrainee(RayTrainee):
     an update), and that call's tokens are labelled with the version it sent. A call runs on one
     version throughout (partial rollouts need the engine in the driver: `trainer.backend=local`)."""
 
-    stream: GroupStream | None = None
-    version: int = 0
-    resumed_stream: dict[str, Any] | None = None
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def take_new_weights(self) -> None:
@@ -680,20 +669,6 @@ class RayAsyncTrainee(RayTrainee):
         with self._lock:
             self.push_weights(pool)
             return self.version
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {**super().checkpoint_state(), **stream_checkpoint_state(self.stream)}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        super().restore(state)
-        self.resumed_stream = state.get("async_stream")
-
-    def close(self) -> None:
-        try:
-            if self.stream is not None:
-                self.stream.close()
-        finally:
-            super().close()
 
 
 def make_ray_async_trainee(cfg: Config, policy: Policy, run_dir: Path | None = None) -> RayAsyncTrainee:

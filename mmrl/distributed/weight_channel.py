@@ -15,6 +15,7 @@ CPU already); a receiver's engine moves them to its own device and dtype as it l
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 from dataclasses import dataclass, field
 
@@ -36,9 +37,6 @@ class Layout:
     dtypes: list[str]
     buckets: list[list[int]] = field(default_factory=list)
     """Indices into `names`, one list per bucket (all of one dtype)."""
-
-    def describe(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        return {n: (s, d) for n, s, d in zip(self.names, self.shapes, self.dtypes)}
 
 
 def layout_of(state_dict: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> Layout:
@@ -120,22 +118,19 @@ class ChannelEnd:
             return None
         out: dict[str, torch.Tensor] = {}
         for indices in layout.buckets:
-            numels = [_numel(layout.shapes[i]) for i in indices]
+            numels = [math.prod(layout.shapes[i]) for i in indices]
             flat = torch.empty(sum(numels), dtype=_dtype(layout.dtypes[indices[0]]))
             self.group.recv([flat], src, 0).wait()
             for i, piece in zip(indices, flat.split(numels)):
                 out[layout.names[i]] = piece.view(layout.shapes[i])
         return out
 
+    def fail(self, dst: int, why: str) -> None:
+        """Tell rank `dst`, waiting in `recv`, that nothing comes (it returns None)."""
+        self._status(dst, FAILED)
+
     def _status(self, dst: int, status: int) -> None:
         self.group.send([torch.tensor([status], dtype=torch.int64)], dst, 0).wait()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _mismatch(state_dict: dict[str, torch.Tensor] | None, layout: Layout) -> str:

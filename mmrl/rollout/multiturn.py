@@ -303,22 +303,19 @@ def _start_row(
     one turn of at most that many tokens."""
     sample = first.samples[r]
     spec = sample.agent
-    if single_turn_tokens is not None:
-        return _Row(
-            sample=sample,
-            prompt_ids=first.prompt_ids[r][first.prompt_mask[r].bool()].tolist(),
-            images=sample.pil_images(),
-            max_turns=1,
-            max_tokens=single_turn_tokens,
-            max_images=0,
-        )
+
+    def limit(name: str) -> int:
+        own = getattr(spec, name) if spec is not None else None
+        return own if own is not None else getattr(agent, name)
+
+    single = single_turn_tokens is not None
     return _Row(
         sample=sample,
         prompt_ids=first.prompt_ids[r][first.prompt_mask[r].bool()].tolist(),
         images=sample.pil_images(),
-        max_turns=(spec.max_turns if spec and spec.max_turns is not None else agent.max_turns),
-        max_tokens=(spec.max_tokens if spec and spec.max_tokens is not None else agent.max_tokens),
-        max_images=(spec.max_images if spec and spec.max_images is not None else agent.max_images),
+        max_turns=1 if single else limit("max_turns"),
+        max_tokens=single_turn_tokens if single else limit("max_tokens"),
+        max_images=0 if single else limit("max_images"),
     )
 
 

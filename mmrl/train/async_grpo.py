@@ -43,11 +43,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -359,8 +361,10 @@ def split_groups(
 
 
 @dataclass
-class AsyncTrainee(Trainee):
-    """A trainee whose rollouts come from generator threads (`GroupStream`)."""
+class Streaming:
+    """What an asynchronous trainee adds to its base (`Trainee` here, `RayTrainee` on Ray; this
+    class comes first among the bases): the stream, the version, and the stream's part of a
+    checkpoint (the in-flight prompts with the sampler)."""
 
     stream: GroupStream | None = None
     """The generators and their queue (started at the first step, after any resume)."""
@@ -369,29 +373,34 @@ class AsyncTrainee(Trainee):
     resumed_stream: dict[str, Any] | None = None
     """A resumed run's stream state, loaded when the stream starts."""
 
-    def published_weights(self) -> Any:
-        """What `stream.publish` hands the generators: a copy of the weights (the trainer goes
-        on changing its own)."""
-        return policy_weights(self.policy.model)
-
     def checkpoint_state(self) -> dict[str, Any]:
-        return {**super().checkpoint_state(), **stream_checkpoint_state(self.stream)}
+        own = (
+            {}
+            if self.stream is None or not self.stream.started
+            else {"async_stream": self.stream.state_dict()}
+        )
+        return {**super().checkpoint_state(), **own}
 
     def restore(self, state: dict[str, Any]) -> None:
         super().restore(state)
         self.resumed_stream = state.get("async_stream")
 
     def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
-        super().close()
+        try:
+            if self.stream is not None:
+                self.stream.close()
+        finally:
+            super().close()
 
 
-def stream_checkpoint_state(stream: GroupStream | None) -> dict[str, Any]:
-    """What a checkpoint of an asynchronous run adds: the stream's in-flight prompts and sampler."""
-    if stream is None or not stream.started:
-        return {}
-    return {"async_stream": stream.state_dict()}
+@dataclass
+class AsyncTrainee(Streaming, Trainee):
+    """A trainee whose rollouts come from a generator thread with its own engine (`GroupStream`)."""
+
+    def published_weights(self) -> Any:
+        """What `stream.publish` hands the generators: a copy of the weights (the trainer goes
+        on changing its own)."""
+        return policy_weights(self.policy.model)
 
 
 def async_composition(cfg: Config) -> Composition:
@@ -495,9 +504,6 @@ dropped and filtered (a resumed run appends its own lines for the steps it redoe
 
 def record_prompts(run_dir: Any, step: int, taken: Taken) -> None:
     """One line of `PROMPTS_LOG` (what says no prompt was lost or trained twice)."""
-    import json
-    from pathlib import Path
-
     line = {
         "step": step,
         "trained": [g.key[0] for g in taken.groups],
